@@ -1,0 +1,68 @@
+import pytest
+
+from vllm_kvguard.config import HashAlgorithm, KVGuardConfig, LogFormat, Mode, load_config
+from vllm_kvguard.errors import KVGuardConfigError
+
+
+def test_defaults_are_off_and_quarantine() -> None:
+    config = load_config({})
+    assert config == KVGuardConfig()
+    assert config.enabled is False
+    assert config.mode is Mode.QUARANTINE
+    assert config.hash is HashAlgorithm.XXH3_64
+
+
+def test_all_variables_parse() -> None:
+    config = load_config(
+        {
+            "VLLM_KVGUARD": "1",
+            "VLLM_KVGUARD_MODE": "Raise",
+            "VLLM_KVGUARD_HASH": "xxh64",
+            "VLLM_KVGUARD_QUARANTINE_MAX_FRACTION": "0.5",
+            "VLLM_KVGUARD_LOG_FORMAT": "console",
+            "VLLM_KVGUARD_LOG_FILE": "/tmp/x.jsonl",
+            "VLLM_KVGUARD_LOG_LEVEL": "warning",
+            "VLLM_KVGUARD_INJECT": "bitflip:count=2",
+            "PATH": "/bin",
+        }
+    )
+    assert config.enabled and config.mode is Mode.RAISE and config.hash is HashAlgorithm.XXH64
+    assert config.quarantine_max_fraction == 0.5
+    assert config.log_format is LogFormat.CONSOLE and config.log_file == "/tmp/x.jsonl"
+    assert config.log_level == "WARNING" and config.inject == "bitflip:count=2"
+
+
+@pytest.mark.parametrize("value", ["0", "off", "false", ""])
+def test_switch_off_values(value: str) -> None:
+    assert load_config({"VLLM_KVGUARD": value}).enabled is False
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "accepted"),
+    [
+        ("VLLM_KVGUARD", "maybe", "1 or 0"),
+        ("VLLM_KVGUARD_MODE", "panic", "quarantine | raise | log"),
+        ("VLLM_KVGUARD_HASH", "md5", "xxh3_64 | xxh64"),
+        ("VLLM_KVGUARD_QUARANTINE_MAX_FRACTION", "2", "between 0 and 1"),
+        ("VLLM_KVGUARD_LOG_FORMAT", "xml", "json | console"),
+        ("VLLM_KVGUARD_LOG_LEVEL", "loud", "DEBUG | INFO | WARNING | ERROR"),
+        ("VLLM_KVGUARD_INJECT", "meteor:count=1", "bitflip | overwrite | zero | nan"),
+        ("VLLM_KVGUARD_MDOE", "raise", "VLLM_KVGUARD_MODE"),
+    ],
+)
+def test_bad_values_name_variable_value_and_accepted(variable: str, value: str, accepted: str) -> None:
+    with pytest.raises(KVGuardConfigError) as info:
+        load_config({"VLLM_KVGUARD": "1", variable: value})
+    message = str(info.value)
+    assert message.startswith(f"{variable}={value!r} is not valid: expected ")
+    assert accepted in message
+
+
+def test_injection_needs_the_guard_on() -> None:
+    with pytest.raises(KVGuardConfigError, match="VLLM_KVGUARD_INJECT.*VLLM_KVGUARD=1"):
+        load_config({"VLLM_KVGUARD_INJECT": "zero"})
+
+
+def test_round_trip_through_connector_extra_config() -> None:
+    config = load_config({"VLLM_KVGUARD": "1", "VLLM_KVGUARD_MODE": "log"})
+    assert KVGuardConfig.from_dict(config.to_dict()) == config

@@ -1,0 +1,90 @@
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from vllm_kvguard.config import HashAlgorithm
+from vllm_kvguard.digest import DigestTable, KVPages
+
+
+def _kv(num_blocks=8, heads=2, bs=32, hd=64, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_blocks, heads, bs, hd, generator=g).to(dtype)
+
+
+def test_digest_is_xxh3_over_the_page_bytes() -> None:
+    kv = _kv()
+    pages = KVPages({"l0": kv})
+    got = pages.digest([3, 5])
+    for row, b in enumerate([3, 5]):
+        assert int(got[row, 0]) == xxhash.xxh3_64_intdigest(
+            kv[b].contiguous().view(torch.uint8).numpy().tobytes()
+        )
+
+
+def test_xxh64_option() -> None:
+    kv = _kv()
+    pages = KVPages({"l0": kv}, algorithm=HashAlgorithm.XXH64)
+    assert int(pages.digest([1])[0, 0]) == xxhash.xxh64_intdigest(kv[1].view(torch.uint8).numpy().tobytes())
+
+
+def test_views_share_memory_no_copy() -> None:
+    kv = _kv()
+    pages = KVPages({"l0": kv})
+    before = pages.digest([2])
+    kv[2, 0, 0, 0] += 1.0
+    assert pages.digest([2])[0, 0] != before[0, 0]
+    assert pages.page(2, 0).data_ptr() == kv[2].data_ptr()
+
+
+def test_layers_sharing_a_tensor_are_hashed_once() -> None:
+    kv = _kv()
+    other = _kv(seed=1)
+    pages = KVPages({"a": kv, "b": kv, "c": other})
+    assert pages.names == ["a", "c"] and pages.num_layers == 2
+
+
+def test_views_into_one_backing_buffer() -> None:
+    backing = torch.randn(2 * 8 * 2 * 32 * 64).to(torch.bfloat16)
+    l0 = backing[: backing.numel() // 2].view(8, 2, 32, 64)
+    l1 = backing[backing.numel() // 2 :].view(8, 2, 32, 64)
+    pages = KVPages({"l0": l0, "l1": l1})
+    got = pages.digest([4])
+    assert int(got[0, 1]) == xxhash.xxh3_64_intdigest(l1[4].contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def test_non_contiguous_gpu_style_layout_hashes_runs_in_memory_order() -> None:
+    # (2, num_blocks, block_size, heads, head_dim): K and V of a block are apart.
+    kv = torch.randn(2, 6, 16, 2, 8).to(torch.float16)
+    pages = KVPages({"l0": kv}, block_dim=1)
+    expected = xxhash.xxh3_64(kv[0, 3].numpy().tobytes() + kv[1, 3].numpy().tobytes()).intdigest()
+    assert int(pages.digest([3])[0, 0]) == expected
+    assert pages.bytes_per_block == 2 * 16 * 2 * 8 * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
+def test_every_kv_dtype(dtype: torch.dtype) -> None:
+    kv = _kv(dtype=dtype)
+    pages = KVPages({"l0": kv})
+    table = DigestTable(pages.num_blocks, pages.num_layers)
+    table.seal([0, 1, 2], pages.digest([0, 1, 2]))
+    assert table.compare([0, 1, 2], pages.digest([0, 1, 2]), pages.names) == []
+    kv.view(torch.uint8)[1, 0, 0, 0] ^= 0x10
+    bad = table.compare([0, 1, 2], pages.digest([0, 1, 2]), pages.names)
+    assert [(m.block_id, m.layer) for m in bad] == [(1, "l0")]
+    assert bad[0].expected != bad[0].actual
+
+
+def test_table_seal_forget_and_sealed_only() -> None:
+    table = DigestTable(8, 2)
+    table.seal([1, 2], np.array([[1, 2], [3, 4]], dtype=np.uint64))
+    assert table.sealed_only([0, 1, 2, 3]) == [1, 2]
+    table.forget([1])
+    assert table.sealed_only([1, 2]) == [2]
+    assert table.sealed_only([]) == []
+
+
+def test_empty_batches() -> None:
+    pages = KVPages({"l0": _kv()})
+    assert pages.digest([]).shape == (0, 1)
+    assert DigestTable(8, 1).compare([], pages.digest([]), pages.names) == []

@@ -1,0 +1,36 @@
+from vllm_kvguard.drill import render, summarize
+
+
+def _line(event, t, **kw):
+    return {"event": event, "timestamp": f"2026-01-01T00:00:{t:06.3f}Z", "role": "scheduler", **kw}
+
+
+def test_summary_accounts_for_every_fault() -> None:
+    lines = [
+        _line("kv_fault_injected", 1.0, fault_id=1, kind="bitflip"),
+        _line("kv_fault_injected", 2.0, fault_id=2, kind="zero"),
+        _line("kv_fault_injected", 3.0, fault_id=3, kind="zero"),
+        _line("kv_fault_injected", 4.0, fault_id=4, kind="nan"),
+        _line("kv_block_corrupted", 1.5, block_id=9),
+        _line("kv_block_quarantined", 1.5, block_id=9, pinned=True),
+        _line("kv_request_affected", 1.5, outcome="recomputed"),
+        _line("kv_fault_outcome", 1.5, fault_id=1, outcome="detected"),
+        _line("kv_fault_outcome", 2.5, fault_id=2, outcome="escaped"),
+        _line("kv_fault_outcome", 3.5, fault_id=4, outcome="no_change"),
+    ]
+    report = summarize(lines, ["a", None, "c"], ["a", "b", "x"], mode="quarantine", spec="bitflip;zero;nan")
+    assert report.by_kind["bitflip"].detected == 1 and report.by_kind["bitflip"].read == 1
+    assert report.by_kind["zero"].escaped == 1 and report.by_kind["zero"].not_read == 1
+    assert report.by_kind["nan"].no_change == 1
+    assert report.total.injected == 4 and report.total.read == 2
+    assert report.detection_ms == [500.0]
+    assert report.quarantined == 1 and report.requests_recomputed == 1
+    assert report.outputs_identical == 1
+    assert not report.ok
+    assert "FAIL" in render(report)
+
+
+def test_clean_summary_passes() -> None:
+    report = summarize([], ["a"], ["a"], mode="log", spec="zero")
+    assert report.ok and report.by_kind["zero"].injected == 0
+    assert "PASS" in render(report)

@@ -1,0 +1,68 @@
+import pytest
+
+from vllm_kvguard.errors import KVGuardConfigError
+from vllm_kvguard.faults import FaultKind, FaultSpec, FaultTracker, parse_fault_spec
+
+
+def test_parse_full_spec() -> None:
+    specs = parse_fault_spec("bitflip:count=3,seed=7; zero:rate=0.5,after=10 ;nan:layer=1")
+    assert specs == [
+        FaultSpec(FaultKind.BITFLIP, count=3, seed=7),
+        FaultSpec(FaultKind.ZERO, rate=0.5, after=10),
+        FaultSpec(FaultKind.NAN, count=1, layer=1),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ("", "no fault given"),
+        ("meteor", "unknown fault kind 'meteor'"),
+        ("zero:count=0", "count must be >= 1"),
+        ("zero:count=x", "count='x' is not an integer"),
+        ("zero:rate=2", "rate must be in (0, 1]"),
+        ("zero:count=1,rate=0.1", "count or rate, not both"),
+        ("zero:colour=red", "'colour=red' is not key=value with a known key"),
+        ("zero:seed=1,seed=2", "seed given twice"),
+    ],
+)
+def test_bad_specs_say_what_is_wrong(spec: str, why: str) -> None:
+    with pytest.raises(KVGuardConfigError) as info:
+        parse_fault_spec(spec)
+    assert str(info.value).startswith(f"VLLM_KVGUARD_INJECT={spec!r} is not valid")
+    assert why in str(info.value)
+    assert "bitflip | overwrite | zero | nan" in str(info.value)
+
+
+def test_count_faults_one_per_step_on_fresh_pages_deterministic() -> None:
+    def run():
+        tracker = FaultTracker(parse_fault_spec("bitflip:count=2,seed=3;zero:count=1"))
+        return [tracker.inject(step, [10, 11, 12], 4) for step in range(5)], tracker
+
+    first, tracker = run()
+    again, _ = run()
+    assert first == again
+    assert [len(x) for x in first] == [1, 1, 1, 0, 0]
+    assert [x[0].kind for x in first[:3]] == [FaultKind.BITFLIP, FaultKind.BITFLIP, FaultKind.ZERO]
+    assert len({x[0].block_id for x in first[:3]}) == 3  # never twice on a pending page
+    assert all(0 <= x[0].layer < 4 for x in first[:3])
+
+
+def test_after_delays_injection() -> None:
+    tracker = FaultTracker(parse_fault_spec("zero:after=3"))
+    assert [len(tracker.inject(s, [1], 1)) for s in range(5)] == [0, 0, 0, 1, 0]
+
+
+def test_outcomes_detected_escaped_not_read_no_change() -> None:
+    tracker = FaultTracker(parse_fault_spec("bitflip:count=4"))
+    ids = {}
+    for step, block in enumerate([1, 2, 3, 4]):
+        (inj,) = tracker.inject(step, [block], 1)
+        ids[block] = inj.fault_id
+    assert tracker.allocated([3]) == [ids[3]]
+    tracker.no_change(ids[4])
+    tracker.verifying(7, [1, 2, 4])
+    assert sorted(tracker.verified(7, {1})) == [(ids[1], True), (ids[2], False)]
+    assert tracker.faults[ids[1]].detected and not tracker.faults[ids[2]].detected
+    assert tracker.faults[ids[3]].discarded and not tracker.faults[ids[3]].read
+    assert tracker.verified(7, {1}) == []

@@ -1,0 +1,101 @@
+from vllm_kvguard.ledger import BlockLedger, BlockState, ScheduledRequest
+
+BS = 4
+
+
+def req(req_id, computed, new, fresh, new_blocks, table):
+    return ScheduledRequest(req_id, computed, new, fresh, new_blocks, lambda: table)
+
+
+def test_prefill_seals_only_full_blocks_after_the_step() -> None:
+    ledger = BlockLedger(16, BS)
+    plan = ledger.plan([req("a", 0, 10, True, [1, 2, 3], [1, 2, 3])])
+    assert plan.seal == [1, 2] and plan.verify == [] and plan.forget == []
+    assert ledger.state[1] == BlockState.SEALED and ledger.state[3] == BlockState.FILLING
+
+
+def test_decode_seals_the_block_its_last_slot_fills() -> None:
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 6, True, [1, 2], [1, 2])])
+    assert ledger.plan([req("a", 6, 1, False, [], [1, 2])]).seal == []
+    assert ledger.plan([req("a", 7, 1, False, [], [1, 2])]).seal == [2]
+
+
+def test_prefix_hit_is_verified_and_readers_collected() -> None:
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 9, True, [1, 2, 3], [1, 2, 3])])
+    plan = ledger.plan([req("b", 8, 2, True, [4], [1, 2, 4]), req("c", 4, 3, True, [5], [1, 5])])
+    assert plan.verify == [1, 2]
+    assert plan.readers == {1: ["b", "c"], 2: ["b"]}
+
+
+def test_running_requests_are_not_reverified() -> None:
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 9, True, [1, 2, 3], [1, 2, 3])])
+    assert ledger.plan([req("a", 9, 1, False, [], [1, 2, 3])]).verify == []
+
+
+def test_same_step_hit_on_unsealed_block_is_counted_not_verified() -> None:
+    ledger = BlockLedger(16, BS)
+    plan = ledger.plan([req("a", 0, 8, True, [1, 2], [1, 2]), req("b", 4, 1, True, [3], [1, 3])])
+    # Block 1 is sealed by a's plan earlier in the same step, before b's view.
+    assert plan.verify == [1] and plan.unverified_hits == 0
+    ledger2 = BlockLedger(16, BS)
+    plan2 = ledger2.plan([req("b", 4, 1, True, [3], [7, 3])])
+    assert plan2.verify == [] and plan2.unverified_hits == 1
+
+
+def test_reallocated_sealed_block_is_forgotten_and_gets_new_generation() -> None:
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 4, True, [1], [1])])
+    assert ledger.generation[1] == 1
+    plan = ledger.plan([req("b", 0, 4, True, [1], [1])])
+    assert plan.forget == [1] and plan.seal == [1]
+    assert ledger.generation[1] == 2
+
+
+def test_resumed_request_verifies_its_hits_again() -> None:
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 8, True, [1, 2], [1, 2])])
+    plan = ledger.plan([req("a", 8, 1, True, [3], [1, 2, 3])])
+    assert plan.verify == [1, 2]
+
+
+def test_quarantined_block_is_never_resealed_and_reuse_is_a_violation() -> None:
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 4, True, [1], [1])])
+    assert ledger.quarantine([1, 1]) == [1]
+    assert ledger.quarantine([1]) == []
+    assert ledger.quarantined() == 1
+    plan = ledger.plan([req("a", 0, 4, False, [], [1])])
+    assert plan.seal == []
+    ledger.plan([req("x", 4, 1, True, [2], [1, 2])])
+    ledger.plan([req("y", 0, 1, True, [1], [1])])
+    whats = [v.what for v in ledger.take_violations()]
+    assert whats == ["quarantined block reused", "quarantined block allocated"]
+    assert ledger.take_violations() == []
+
+
+def test_release_returns_block_to_circulation() -> None:
+    ledger = BlockLedger(16, BS)
+    ledger.quarantine([3])
+    ledger.release([3])
+    assert ledger.state[3] == BlockState.FREE and ledger.quarantined() == 0
+
+
+def test_idle_sealed_filters_blocks_in_use() -> None:
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 12, True, [1, 2, 3], [1, 2, 3])])
+    assert ledger.idle_sealed(lambda b: b == 2) == [1, 3]
+
+
+def test_block_table_is_not_fetched_for_plain_decode_steps() -> None:
+    ledger = BlockLedger(16, BS)
+    calls = []
+
+    def table():
+        calls.append(1)
+        return [1, 2]
+
+    ledger.plan([ScheduledRequest("a", 5, 1, False, [], table)])
+    assert calls == []

@@ -1,0 +1,149 @@
+"""The guard's configuration: read from the environment once, validated, frozen.
+
+No other module reads ``os.environ``. The front-end process parses the
+environment and hands the result to the engine and worker processes inside
+vLLM's ``kv_connector_extra_config`` (see :meth:`KVGuardConfig.to_dict`), so that
+every process runs with the same, already validated, settings.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from enum import StrEnum
+from typing import Any
+
+from vllm_kvguard.errors import KVGuardConfigError
+
+PREFIX = "VLLM_KVGUARD"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+class Mode(StrEnum):
+    """What the guard does when a page fails verification."""
+
+    QUARANTINE = "quarantine"
+    RAISE = "raise"
+    LOG = "log"
+
+
+class HashAlgorithm(StrEnum):
+    XXH3_64 = "xxh3_64"
+    XXH64 = "xxh64"
+
+
+class LogFormat(StrEnum):
+    JSON = "json"
+    CONSOLE = "console"
+
+
+@dataclass(frozen=True)
+class KVGuardConfig:
+    """Effective settings. Field docs are the configuration reference (docs/configuration.md)."""
+
+    enabled: bool = False
+    mode: Mode = Mode.QUARANTINE
+    hash: HashAlgorithm = HashAlgorithm.XXH3_64
+    quarantine_max_fraction: float = 0.02
+    log_format: LogFormat = LogFormat.JSON
+    log_file: str | None = None
+    log_level: str = "INFO"
+    inject: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, StrEnum) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVGuardConfig:
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in data.items() if k in known}
+        for name, enum in (("mode", Mode), ("hash", HashAlgorithm), ("log_format", LogFormat)):
+            if name in kw:
+                kw[name] = enum(kw[name])
+        return cls(**kw)
+
+
+def _choice(var: str, raw: str, enum: type[StrEnum]) -> Any:
+    value = raw.strip().lower()
+    try:
+        return enum(value)
+    except ValueError:
+        accepted = " | ".join(m.value for m in enum)  # type: ignore[attr-defined]
+        raise KVGuardConfigError(var, raw, accepted) from None
+
+
+def _switch(var: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise KVGuardConfigError(var, raw, "1 or 0 (also true/false, yes/no, on/off)")
+
+
+def _fraction(var: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise KVGuardConfigError(var, raw, "a number between 0 and 1")
+    return value
+
+
+def _log_level(var: str, raw: str) -> str:
+    levels = ("DEBUG", "INFO", "WARNING", "ERROR")
+    value = raw.strip().upper()
+    if value not in levels:
+        raise KVGuardConfigError(var, raw, " | ".join(levels))
+    return value
+
+
+def _inject(var: str, raw: str) -> str | None:
+    from vllm_kvguard.faults import parse_fault_spec
+
+    text = raw.strip()
+    if not text:
+        return None
+    parse_fault_spec(text, variable=var)
+    return text
+
+
+# Variable suffix -> (field name, parser). The single list of what the guard reads.
+_VARIABLES = {
+    "": ("enabled", _switch),
+    "_MODE": ("mode", lambda var, raw: _choice(var, raw, Mode)),
+    "_HASH": ("hash", lambda var, raw: _choice(var, raw, HashAlgorithm)),
+    "_QUARANTINE_MAX_FRACTION": ("quarantine_max_fraction", _fraction),
+    "_LOG_FORMAT": ("log_format", lambda var, raw: _choice(var, raw, LogFormat)),
+    "_LOG_FILE": ("log_file", lambda var, raw: raw.strip() or None),
+    "_LOG_LEVEL": ("log_level", _log_level),
+    "_INJECT": ("inject", _inject),
+}
+
+
+def variable_names() -> list[str]:
+    return [PREFIX + suffix for suffix in _VARIABLES]
+
+
+def load_config(environ: Mapping[str, str] | None = None) -> KVGuardConfig:
+    """Parse every ``VLLM_KVGUARD*`` variable; raise :class:`KVGuardConfigError` on the first bad one."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for name in sorted(k for k in env if k == PREFIX or k.startswith(PREFIX + "_")):
+        suffix = name[len(PREFIX) :]
+        if suffix not in _VARIABLES:
+            raise KVGuardConfigError(name, env[name], "a known variable name: " + ", ".join(variable_names()))
+        field_name, parse = _VARIABLES[suffix]
+        values[field_name] = parse(name, env[name])
+    config = KVGuardConfig(**values)
+    if config.inject and not config.enabled:
+        raise KVGuardConfigError(
+            PREFIX + "_INJECT",
+            config.inject,
+            "to be unset unless VLLM_KVGUARD=1 (fault injection needs the guard on)",
+        )
+    return config

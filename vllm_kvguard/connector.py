@@ -1,0 +1,563 @@
+"""The vLLM adapter: a KV connector that seals, verifies and quarantines KV pages.
+
+This is the only module (with :mod:`vllm_kvguard.plugin`) that knows vLLM's
+internals. It translates vLLM's per-step connector calls into ledger events and
+back (see docs/design.md for the call order and why each hook was chosen):
+
+* scheduler, ``build_connector_meta``: the ledger plans the step (seal, forget,
+  verify) and the plan travels to the workers in the connector metadata;
+* worker, ``bind_connector_metadata`` (before the forward): forget digests of
+  re-allocated blocks, verify prefix-cache hits;
+* worker, ``wait_for_save`` (after the forward): seal the blocks whose last slot
+  was just written; apply fire-drill faults;
+* worker -> scheduler: bad blocks through ``get_block_ids_with_load_errors``
+  (vLLM then recomputes or fails the readers, per ``kv_load_failure_policy``)
+  and the details through the worker metadata;
+* scheduler, ``update_connector_output``: quarantine, log, account.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from vllm_kvguard.config import KVGuardConfig, Mode, load_config
+from vllm_kvguard.digest import DigestTable, KVPages
+from vllm_kvguard.errors import KVCacheCorruptionError
+from vllm_kvguard.events import (
+    Action,
+    BlockCorrupted,
+    BlockQuarantined,
+    Detection,
+    FaultInjected,
+    FaultOutcome,
+    GuardStarted,
+    InternalError,
+    RequestAffected,
+)
+from vllm_kvguard.faults import FaultKind, FaultTracker, Injection, parse_fault_spec
+from vllm_kvguard.ledger import BlockLedger, ScheduledRequest, StepPlan
+from vllm_kvguard.logs import GuardLog
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+CONFIG_KEY = "kvguard"
+T = TypeVar("T")
+
+
+@dataclass
+class KVGuardMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step."""
+
+    step: int
+    seal: list[int] = field(default_factory=list)
+    forget: list[int] = field(default_factory=list)
+    verify: list[int] = field(default_factory=list)
+    readers: dict[int, list[str]] = field(default_factory=dict)
+    inject: list[Injection] = field(default_factory=list)
+
+
+@dataclass
+class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step that has something to say; merged over ranks."""
+
+    verified_steps: set[int] = field(default_factory=set)
+    detections: list[Detection] = field(default_factory=list)
+    unchanged_faults: list[int] = field(default_factory=list)
+    internal_errors: list[str] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVGuardWorkerMetadata)
+        return KVGuardWorkerMetadata(
+            verified_steps=self.verified_steps | other.verified_steps,
+            detections=self.detections + other.detections,
+            unchanged_faults=sorted(set(self.unchanged_faults) | set(other.unchanged_faults)),
+            internal_errors=self.internal_errors + other.internal_errors,
+        )
+
+
+def _fail_open(default: Callable[[Any], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Run a hook so that a bug in the guard never takes serving down.
+
+    The error is logged with its traceback and counted; the hook returns a
+    neutral value (``default(self)``), which leaves the step unguarded: pages not
+    sealed this step are not verified later (the worker only verifies what it
+    sealed). See docs/design.md, "Internal errors".
+    """
+
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def hook(self: KVGuardConnector, *args: Any, **kwargs: Any) -> T:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as exc:
+                self.internal_errors += 1
+                self.log.event(
+                    "kvguard_internal_error",
+                    InternalError(fn.__name__, repr(exc), self.internal_errors),
+                    level="error",
+                    traceback=traceback.format_exc(),
+                )
+                if self._pending_worker_meta is not None:
+                    self._pending_worker_meta.internal_errors.append(f"{fn.__name__}: {exc!r}")
+                return default(self)
+
+        return hook
+
+    return wrap
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def find_guard(connector: object) -> KVGuardConnector | None:
+    """The guard inside ``connector`` (itself, or a child of a MultiConnector)."""
+    if isinstance(connector, KVGuardConnector):
+        return connector
+    for child in getattr(connector, "sub_connectors", None) or getattr(connector, "_connectors", ()):
+        if isinstance(child, KVGuardConnector):
+            return child
+    return None
+
+
+class KVGuardConnector(KVConnectorBase_V1):
+    """Checksums every full KV page; verifies it before a request reuses it."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        # The front end validated the environment and shipped the result; a
+        # connector configured by hand (no plugin) reads the environment itself.
+        self.config: KVGuardConfig = (
+            KVGuardConfig.from_dict(extra[CONFIG_KEY]) if CONFIG_KEY in extra else load_config()
+        )
+        self.block_size = vllm_config.cache_config.block_size
+        self.internal_errors = 0
+        self._pending_worker_meta: KVGuardWorkerMetadata | None = None
+        model = getattr(vllm_config.model_config, "served_model_name", None) or getattr(
+            vllm_config.model_config, "model", "?"
+        )
+        if isinstance(model, list):
+            model = model[0]
+        self.rank = _rank() if role == KVConnectorRole.WORKER else 0
+        self.log = GuardLog(
+            self.config,
+            role="scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
+            rank=self.rank,
+            engine=str(self._kv_transfer_config.engine_id or 0),
+            model_name=str(model),
+        )
+        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        # vLLM maps reported bad blocks back to requests only with one KV cache group.
+        self.active = groups == 1
+        num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
+        if role == KVConnectorRole.SCHEDULER:
+            self.ledger = BlockLedger(num_blocks, self.block_size)
+            self.faults = FaultTracker(parse_fault_spec(self.config.inject)) if self.config.inject else None
+            self.quarantine_limit = int(self.config.quarantine_max_fraction * num_blocks)
+            self.corruption_messages: dict[str, str] = {}
+            self.stats: dict[str, int] = defaultdict(int)
+            self._num_layers = max(1, vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
+            _install_scheduler_hook()
+            self.log.event(
+                "kvguard_started",
+                GuardStarted(
+                    "scheduler",
+                    self.config.to_dict(),
+                    {
+                        "num_blocks": num_blocks,
+                        "block_size": self.block_size,
+                        "kv_load_failure_policy": self._kv_transfer_config.kv_load_failure_policy,
+                        "active": self.active,
+                        "kv_cache_groups": groups,
+                    },
+                ),
+            )
+            if not self.active:
+                self.log.line(
+                    "kvguard_inactive",
+                    level="warning",
+                    reason=(
+                        f"the model has {groups} KV cache groups (hybrid model); vLLM can only "
+                        "recompute single blocks with one group, so the guard does not run"
+                    ),
+                )
+            if self.config.inject:
+                self.log.line("kvguard_fault_injection_armed", level="warning", spec=self.config.inject)
+        else:
+            self.pages: KVPages | None = None
+            self.table: DigestTable | None = None
+            self._invalid: set[int] = set()
+            self._num_blocks = num_blocks
+
+    # ------------------------------------------------------------------ worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not self.active or not kv_caches:
+            return
+        first = next(iter(kv_caches.values()))
+        # The block dimension is the one sized num_blocks: 0 on CPU, 1 for the
+        # (2, num_blocks, ...) GPU layouts.
+        block_dim = next((d for d, n in enumerate(first.shape) if n == self._num_blocks and d < 2), 0)
+        self.pages = KVPages(kv_caches, block_dim=block_dim, algorithm=self.config.hash)
+        self.table = DigestTable(self.pages.num_blocks, self.pages.num_layers)
+        self.log.event(
+            "kvguard_started",
+            GuardStarted(
+                "worker",
+                self.config.to_dict(),
+                {
+                    "layers": self.pages.num_layers,
+                    "num_blocks": self.pages.num_blocks,
+                    "bytes_per_block": self.pages.bytes_per_block,
+                    "on_host": self.pages.on_host,
+                    "block_dim": block_dim,
+                },
+            ),
+        )
+
+    @_fail_open(lambda self: None)
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        meta = connector_metadata
+        if self.table is None or not isinstance(meta, KVGuardMetadata):
+            return
+        # Before the forward: this step's prefix hits are read by its attention.
+        self.table.forget(meta.forget)
+        if meta.verify:
+            self._verify(meta)
+
+    def _verify(self, meta: KVGuardMetadata) -> None:
+        assert self.pages is not None and self.table is not None
+        blocks = self.table.sealed_only(meta.verify)
+        mismatches = self.table.compare(blocks, self.pages.digest(blocks), self.pages.names)
+        out = self._worker_meta()
+        out.verified_steps.add(meta.step)
+        for m in mismatches:
+            out.detections.append(
+                Detection(
+                    self.rank,
+                    m.block_id,
+                    m.layer,
+                    m.expected,
+                    m.actual,
+                    tuple(meta.readers.get(m.block_id, ())),
+                )
+            )
+        if mismatches and self.config.mode != Mode.LOG:
+            bad = {m.block_id for m in mismatches}
+            self._invalid |= bad
+            # The readers recompute these blocks; their old digests mean nothing now.
+            self.table.forget(sorted(bad))
+
+    def _worker_meta(self) -> KVGuardWorkerMetadata:
+        if self._pending_worker_meta is None:
+            self._pending_worker_meta = KVGuardWorkerMetadata()
+        return self._pending_worker_meta
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return
+
+    @_fail_open(lambda self: None)
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if self.table is None or self.pages is None or not isinstance(meta, KVGuardMetadata):
+            return
+        # After the forward: the pages whose last slot was written this step are final.
+        if meta.seal:
+            self.table.seal(meta.seal, self.pages.digest(meta.seal))
+        for injection in meta.inject:
+            if not self._inject(injection):
+                self._worker_meta().unchanged_faults.append(injection.fault_id)
+
+    def _inject(self, injection: Injection) -> bool:
+        """Corrupt one page as ordered; return whether its bytes changed."""
+        assert self.pages is not None and self.table is not None
+        import random
+
+        layer = injection.layer % self.pages.num_layers
+        block = injection.block_id
+        page = self.pages.page(block, layer)
+        before = int(self.pages.digest([block])[0, layer])
+        rng = random.Random(injection.seed)
+        if injection.kind == FaultKind.ZERO:
+            page.zero_()
+        elif injection.kind == FaultKind.OVERWRITE:
+            others = [b for b in self.table.sealed_only(range(self.pages.num_blocks)) if b != block]
+            if others:
+                page.copy_(self.pages.page(rng.choice(others), layer))
+        else:
+            raw = page.view(torch.uint8) if injection.kind == FaultKind.BITFLIP else page
+            index = tuple(rng.randrange(n) for n in raw.shape)
+            if injection.kind == FaultKind.BITFLIP:
+                raw[index] = raw[index] ^ (1 << rng.randrange(8))
+            else:
+                raw[index] = float("nan")
+        return int(self.pages.digest([block])[0, layer]) != before
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        bad, self._invalid = self._invalid, set()
+        return bad
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        out, self._pending_worker_meta = self._pending_worker_meta, None
+        return out
+
+    # --------------------------------------------------------------- scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        return
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self.block_pool = gpu_block_pool
+
+    @_fail_open(lambda self: KVGuardMetadata(step=self.ledger.step))
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        so = scheduler_output
+        if not self.active:
+            return KVGuardMetadata(step=self.ledger.step)
+        plan = self.ledger.plan(self._scheduled(so))
+        meta = KVGuardMetadata(plan.step, plan.seal, plan.forget, plan.verify, plan.readers)
+        self.stats["sealed"] += len(plan.seal)
+        self.stats["verify_planned"] += len(plan.verify)
+        self.stats["unverified_hits"] += plan.unverified_hits
+        for violation in self.ledger.take_violations():
+            self.log.line(
+                "kv_block_lifecycle_violation",
+                level="error",
+                block_id=violation.block_id,
+                request_id=violation.req_id,
+                what=violation.what,
+            )
+        if self.faults is not None:
+            self._plan_faults(plan, meta)
+        return meta
+
+    def _scheduled(self, so: SchedulerOutput) -> list[ScheduledRequest]:
+        bs = self.block_size
+        spec = so.scheduled_spec_decode_tokens
+        ntok = so.num_scheduled_tokens
+        manager = self._kv_cache_manager
+        out = []
+        for new in so.scheduled_new_reqs:
+            table = new.block_ids[0]
+            out.append(
+                ScheduledRequest(
+                    new.req_id,
+                    new.num_computed_tokens,
+                    ntok[new.req_id] - len(spec.get(new.req_id, ())),
+                    True,
+                    table[new.num_computed_tokens // bs :],
+                    lambda table=table: table,
+                )
+            )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            added = new_ids[0] if new_ids else []
+            nc = cached.num_computed_tokens[i]
+            resumed = req_id in cached.resumed_req_ids
+            out.append(
+                ScheduledRequest(
+                    req_id,
+                    nc,
+                    ntok[req_id] - len(spec.get(req_id, ())),
+                    resumed,
+                    added[nc // bs :] if resumed else added,
+                    lambda req_id=req_id: manager.get_block_ids(req_id)[0],  # type: ignore[union-attr]
+                )
+            )
+        return out
+
+    def _plan_faults(self, plan: StepPlan, meta: KVGuardMetadata) -> None:
+        assert self.faults is not None
+        for fid in self.faults.allocated(plan.forget):
+            self.log.event("kv_fault_outcome", FaultOutcome(fid, "not_read", plan.step))
+        self.faults.verifying(plan.step, plan.verify)
+        blocks = self.block_pool.blocks
+        candidates = self.ledger.idle_sealed(lambda b: blocks[b].ref_cnt > 0 or blocks[b].block_hash is None)
+        meta.inject = self.faults.inject(plan.step, candidates, self._num_layers)
+        for inj in meta.inject:
+            self.log.event(
+                "kv_fault_injected",
+                FaultInjected(inj.fault_id, str(inj.kind), inj.block_id, inj.layer, plan.step),
+                level="warning",
+            )
+
+    @_fail_open(lambda self: None)
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, KVGuardWorkerMetadata):
+            return
+        for error in meta.internal_errors:
+            self.stats["worker_internal_errors"] += 1
+            self.log.line("kvguard_worker_internal_error", level="error", error=error)
+        by_block: dict[int, list[Detection]] = defaultdict(list)
+        for d in meta.detections:
+            by_block[d.block_id].append(d)
+        for block, detections in sorted(by_block.items()):
+            self._handle_corruption(block, detections)
+        if self.faults is not None:
+            for fid in meta.unchanged_faults:
+                self.faults.no_change(fid)
+                self.log.event("kv_fault_outcome", FaultOutcome(fid, "no_change", self.ledger.step))
+            for step in sorted(meta.verified_steps):
+                for fid, detected in self.faults.verified(step, set(by_block)):
+                    outcome = "detected" if detected else "escaped"
+                    self.log.event(
+                        "kv_fault_outcome",
+                        FaultOutcome(fid, outcome, step),
+                        level="info" if detected else "error",
+                    )
+
+    def _handle_corruption(self, block: int, detections: list[Detection]) -> None:
+        first = detections[0]
+        readers = tuple(sorted({r for d in detections for r in d.readers}))
+        mode = self.config.mode
+        self.stats["corrupted_blocks"] += 1
+        if mode == Mode.LOG:
+            action = Action.LOGGED
+            outcome = "logged"
+        else:
+            action = Action.QUARANTINED_RECOMPUTED if mode == Mode.QUARANTINE else Action.REQUESTS_FAILED
+            outcome = "recomputed" if mode == Mode.QUARANTINE else "failed"
+            self._quarantine(block, readers)
+        self.log.event(
+            "kv_block_corrupted",
+            BlockCorrupted(
+                block_id=block,
+                layer=first.layer,
+                layers=tuple(dict.fromkeys(d.layer for d in detections)),
+                rank=first.rank,
+                ranks=tuple(sorted({d.rank for d in detections})),
+                expected_digest=f"{first.expected:016x}",
+                actual_digest=f"{first.actual:016x}",
+                request_ids=readers,
+                action=action,
+                generation=int(self.ledger.generation[block]),
+                step=self.ledger.step,
+            ),
+            level="error",
+        )
+        for req_id in readers:
+            self.stats[f"requests_{outcome}"] += 1
+            self.log.event("kv_request_affected", RequestAffected(req_id, block, outcome), level="warning")
+            if mode == Mode.RAISE:
+                self.corruption_messages[req_id] = KVCacheCorruptionError.describe(block, first.layer)
+
+    def _quarantine(self, block: int, readers: tuple[str, ...]) -> None:
+        pool = self.block_pool
+        if self.config.mode == Mode.QUARANTINE and self._kv_cache_manager is not None:
+            # Under the "recompute" policy vLLM rewrites the readers' blocks in place
+            # and leaves them in the prefix cache: take the bad block, and the blocks
+            # each reader computed from it, out of the cache so nobody else reads them.
+            evict = {block}
+            for req_id in readers:
+                try:
+                    table = self._kv_cache_manager.get_block_ids(req_id)[0]
+                except (KeyError, AssertionError):
+                    continue
+                if block in table:
+                    evict.update(table[table.index(block) :])
+            pool.evict_blocks(evict)
+        if not self.ledger.quarantine([block]):
+            return
+        count = self.ledger.quarantined()
+        pinned = count <= self.quarantine_limit
+        if pinned:
+            # One reference the guard never drops: the block never returns to the
+            # free queue, so it is never handed out again.
+            pool.touch([pool.blocks[block]])
+        else:
+            self.ledger.release([block])
+            pool.evict_blocks({block})
+        self.stats["quarantined"] = self.ledger.quarantined()
+        self.log.event(
+            "kv_block_quarantined",
+            BlockQuarantined(block, self.ledger.quarantined(), pinned),
+            level="warning" if pinned else "error",
+            **({} if pinned else {"reason": "quarantine full (VLLM_KVGUARD_QUARANTINE_MAX_FRACTION)"}),
+        )
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def take_corruption_message(self, req_id: str) -> str | None:
+        return self.corruption_messages.pop(req_id, None)
+
+
+def _install_scheduler_hook() -> None:
+    """Put the corruption message into ``stop_reason`` of requests failed in raise mode.
+
+    vLLM ends them with ``finish_reason="error"`` and no text; the message is
+    only known after ``update_connector_output``, which runs inside
+    ``Scheduler.update_from_output``, so the hook wraps that method.
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import FinishReason
+
+    if getattr(Scheduler.update_from_output, "_kvguard", False):
+        return
+    original = Scheduler.update_from_output
+
+    @functools.wraps(original)
+    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs = original(self, *args, **kwargs)
+        guard = find_guard(getattr(self, "connector", None))
+        if guard is None or not guard.corruption_messages:
+            return outputs
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                if out.finish_reason == FinishReason.ERROR:
+                    message = guard.take_corruption_message(out.request_id)
+                    if message is not None:
+                        out.stop_reason = message
+        return outputs
+
+    update_from_output._kvguard = True  # type: ignore[attr-defined]
+    Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+
+
+__all__ = ["KVGuardConnector", "KVGuardMetadata", "KVGuardWorkerMetadata", "find_guard"]

@@ -1,0 +1,195 @@
+"""Page digests: hash KV pages in place, keep the digests apart from the data.
+
+A *page* is one block of one layer's KV tensor. Its digest is XXH3-64 (or XXH64)
+over the page's bytes in memory order, read straight from the tensor's storage
+through a memoryview: no KV data is copied on the CPU. Pages that are not one
+contiguous run (some GPU layouts keep K and V apart) are hashed as the
+concatenation of their contiguous runs, in memory order.
+
+The digests live in a :class:`DigestTable` (blocks x layers, ``uint64``) beside
+the data, never in it, as ZFS keeps checksums in the parent pointer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from vllm_kvguard.config import HashAlgorithm
+
+_ONE_SHOT = {
+    HashAlgorithm.XXH3_64: xxhash.xxh3_64_intdigest,
+    HashAlgorithm.XXH64: xxhash.xxh64_intdigest,
+}
+_STREAMING = {HashAlgorithm.XXH3_64: xxhash.xxh3_64, HashAlgorithm.XXH64: xxhash.xxh64}
+
+
+@dataclass(frozen=True)
+class PageMismatch:
+    """A page whose bytes no longer match its seal."""
+
+    block_id: int
+    layer: str
+    expected: int
+    actual: int
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """A flat memoryview over the tensor's whole CPU storage (no copy)."""
+    storage = tensor.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    return memoryview(flat.numpy()).cast("B")
+
+
+def _page_runs(page: torch.Tensor) -> list[tuple[int, int]]:
+    """Contiguous byte runs (offset from page start, length) of one page, in memory order."""
+    elsize = page.element_size()
+    if page.is_contiguous():
+        return [(0, page.numel() * elsize)]
+    dims = sorted(range(page.dim()), key=lambda d: page.stride(d), reverse=True)
+    shape = [page.shape[d] for d in dims]
+    strides = [page.stride(d) for d in dims]
+    # Merge the innermost dims that are densely packed into one run.
+    run = 1
+    k = len(dims)
+    while k > 0 and strides[k - 1] == run:
+        run *= shape[k - 1]
+        k -= 1
+    outer = shape[:k]
+    runs = []
+    for index in np.ndindex(*outer) if outer else [()]:
+        offset = sum(i * s for i, s in zip(index, strides[:k], strict=True))
+        runs.append((offset * elsize, run * elsize))
+    return runs
+
+
+class KVPages:
+    """The guarded KV tensors, seen as pages addressable by (block id, layer).
+
+    ``layers`` maps layer names to tensors; ``block_dim`` is the dimension that
+    indexes blocks. Layers that share one tensor are hashed once and reported
+    under the first name.
+    """
+
+    def __init__(
+        self,
+        layers: dict[str, torch.Tensor],
+        *,
+        block_dim: int = 0,
+        algorithm: HashAlgorithm = HashAlgorithm.XXH3_64,
+    ) -> None:
+        seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+        self.names: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+        for name, tensor in layers.items():
+            key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+            if key in seen:
+                continue
+            seen[key] = name
+            self.names.append(name)
+            self.tensors.append(tensor.movedim(block_dim, 0))
+        if not self.tensors:
+            raise ValueError("no KV tensors to guard")
+        self.num_blocks = min(t.shape[0] for t in self.tensors)
+        self.algorithm = algorithm
+        self._hash = _ONE_SHOT[algorithm]
+        self._stream = _STREAMING[algorithm]
+        self.on_host = all(t.device.type == "cpu" for t in self.tensors)
+        if not self.on_host:
+            warnings.warn(
+                "vllm-kvguard: KV cache is not in host memory; pages are copied to the "
+                "host to be hashed (slow path).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._views = [_byte_view(t) if self.on_host else None for t in self.tensors]
+        elsize = [t.element_size() for t in self.tensors]
+        self._base = [t.storage_offset() * e for t, e in zip(self.tensors, elsize, strict=True)]
+        self._stride = [t.stride(0) * e for t, e in zip(self.tensors, elsize, strict=True)]
+        self._runs = [_page_runs(t[0]) for t in self.tensors]
+        self.page_bytes = [sum(n for _, n in r) for r in self._runs]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(self.page_bytes)
+
+    def digest(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Digests of the given blocks, shape (len(block_ids), num_layers), uint64."""
+        out = np.empty((len(block_ids), self.num_layers), dtype=np.uint64)
+        if not block_ids:
+            return out
+        for layer in range(self.num_layers):
+            out[:, layer] = self._digest_layer(layer, block_ids)
+        return out
+
+    def _digest_layer(self, layer: int, block_ids: Sequence[int]) -> list[int]:
+        runs = self._runs[layer]
+        if not self.on_host:
+            pages = self.tensors[layer][torch.as_tensor(block_ids, device=self.tensors[layer].device)]
+            host = pages.contiguous().cpu()
+            view = memoryview(host.view(torch.uint8).numpy()).cast("B")
+            size = self.page_bytes[layer]
+            return [self._hash(view[i * size : (i + 1) * size]) for i in range(len(block_ids))]
+        view, base, stride = self._views[layer], self._base[layer], self._stride[layer]
+        assert view is not None
+        if len(runs) == 1:
+            size = runs[0][1]
+            h = self._hash
+            return [h(view[base + b * stride : base + b * stride + size]) for b in block_ids]
+        digests = []
+        for b in block_ids:
+            state = self._stream()
+            start = base + b * stride
+            for off, n in runs:
+                state.update(view[start + off : start + off + n])
+            digests.append(state.intdigest())
+        return digests
+
+    def page(self, block_id: int, layer: int) -> torch.Tensor:
+        """The page as a tensor view (for fault injection and tests)."""
+        return self.tensors[layer][block_id]
+
+
+class DigestTable:
+    """Sealed digests by block: a dense (blocks x layers) table plus a sealed mask."""
+
+    def __init__(self, num_blocks: int, num_layers: int) -> None:
+        self.digests = np.zeros((num_blocks, num_layers), dtype=np.uint64)
+        self.sealed = np.zeros(num_blocks, dtype=bool)
+
+    def seal(self, block_ids: Sequence[int], digests: np.ndarray) -> None:
+        if len(block_ids):
+            self.digests[block_ids] = digests
+            self.sealed[block_ids] = True
+
+    def forget(self, block_ids: Sequence[int]) -> None:
+        if len(block_ids):
+            self.sealed[block_ids] = False
+
+    def sealed_only(self, block_ids: Sequence[int]) -> list[int]:
+        if not len(block_ids):
+            return []
+        ids = np.asarray(block_ids, dtype=np.int64)
+        return ids[self.sealed[ids]].tolist()
+
+    def compare(
+        self, block_ids: Sequence[int], actual: np.ndarray, names: Sequence[str]
+    ) -> list[PageMismatch]:
+        """Mismatches between ``actual`` (from :meth:`KVPages.digest`) and the seals."""
+        if not len(block_ids):
+            return []
+        expected = self.digests[block_ids]
+        rows, cols = np.nonzero(expected != actual)
+        return [
+            PageMismatch(int(block_ids[r]), names[c], int(expected[r, c]), int(actual[r, c]))
+            for r, c in zip(rows.tolist(), cols.tolist(), strict=True)
+        ]

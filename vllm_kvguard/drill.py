@@ -1,0 +1,303 @@
+"""``kvguard drill``: prove on a real engine that corrupted KV pages are caught.
+
+In the spirit of ZFS's ``zinject``: the drill runs a prefix-sharing workload
+twice through vLLM in child processes, once plain (the reference) and once with
+the guard on and ``VLLM_KVGUARD_INJECT`` set, then reads the guard's own
+structured log to account for every injected fault: read or not, detected or
+escaped, and how long detection took. It exits non-zero if a fault that was read
+escaped detection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+from vllm_kvguard.config import Mode
+from vllm_kvguard.faults import parse_fault_spec
+from vllm_kvguard.workload import Workload
+
+DEFAULT_SPEC = "bitflip:count=3,seed=11;overwrite:count=1,seed=12;zero:count=1,seed=13;nan:count=1,seed=14"
+ENGINE_ARGS: dict[str, Any] = {
+    "dtype": "bfloat16",
+    "enforce_eager": True,
+    "enable_prefix_caching": True,
+    "block_size": 32,
+    "max_model_len": 1024,
+    "max_num_seqs": 8,
+}
+
+
+@dataclass
+class KindRow:
+    injected: int = 0
+    read: int = 0
+    detected: int = 0
+    escaped: int = 0
+    not_read: int = 0
+    no_change: int = 0
+
+
+@dataclass
+class DrillReport:
+    mode: str
+    spec: str
+    requests: int
+    by_kind: dict[str, KindRow] = field(default_factory=dict)
+    quarantined: int = 0
+    corrupted_blocks: int = 0
+    requests_recomputed: int = 0
+    requests_failed: int = 0
+    outputs_identical: int = 0
+    detection_ms: list[float] = field(default_factory=list)
+    internal_errors: int = 0
+
+    @property
+    def total(self) -> KindRow:
+        total = KindRow()
+        for row in self.by_kind.values():
+            for name in asdict(total):
+                setattr(total, name, getattr(total, name) + getattr(row, name))
+        return total
+
+    @property
+    def ok(self) -> bool:
+        return self.total.escaped == 0 and self.internal_errors == 0
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["total"] = asdict(self.total)
+        out["ok"] = self.ok
+        out["detection_ms_median"] = statistics.median(self.detection_ms) if self.detection_ms else None
+        out["detection_ms_max"] = max(self.detection_ms) if self.detection_ms else None
+        return out
+
+
+def _ts(line: dict[str, Any]) -> float:
+    return datetime.fromisoformat(line["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def summarize(
+    log_lines: list[dict[str, Any]],
+    outputs: list[str | None],
+    reference: list[str],
+    *,
+    mode: str,
+    spec: str,
+) -> DrillReport:
+    """Account for every fault from the guard's log lines (pure: no engine here)."""
+    report = DrillReport(mode=mode, spec=spec, requests=len(reference))
+    for fault in parse_fault_spec(spec):
+        report.by_kind.setdefault(str(fault.kind), KindRow())
+    kinds: dict[int, str] = {}
+    injected_at: dict[int, float] = {}
+    outcome: dict[int, tuple[str, float]] = {}
+    affected: Counter[str] = Counter()
+    for line in log_lines:
+        event = line.get("event")
+        if event == "kv_fault_injected":
+            kinds[line["fault_id"]] = line["kind"]
+            injected_at[line["fault_id"]] = _ts(line)
+        elif event == "kv_fault_outcome":
+            outcome.setdefault(line["fault_id"], (line["outcome"], _ts(line)))
+        elif event == "kv_block_corrupted" and line.get("role") == "scheduler":
+            report.corrupted_blocks += 1
+        elif event == "kv_block_quarantined" and line.get("pinned"):
+            report.quarantined += 1
+        elif event == "kv_request_affected":
+            affected[line["outcome"]] += 1
+        elif event in ("kvguard_internal_error", "kvguard_worker_internal_error"):
+            report.internal_errors += 1
+    for fid, kind in kinds.items():
+        row = report.by_kind.setdefault(kind, KindRow())
+        row.injected += 1
+        result, when = outcome.get(fid, ("not_read", 0.0))
+        if result == "no_change":
+            row.no_change += 1
+        elif result == "not_read":
+            row.not_read += 1
+        else:
+            row.read += 1
+            if result == "detected":
+                row.detected += 1
+                report.detection_ms.append(round((when - injected_at[fid]) * 1000.0, 1))
+            else:
+                row.escaped += 1
+    report.requests_recomputed = affected["recomputed"]
+    report.requests_failed = affected["failed"]
+    report.outputs_identical = sum(1 for out, ref in zip(outputs, reference, strict=True) if out == ref)
+    return report
+
+
+def render(report: DrillReport) -> str:
+    rows = [("fault kind", "injected", "read", "detected", "escaped", "not read", "no change")]
+    for kind, row in sorted(report.by_kind.items()):
+        rows.append((kind, *map(str, asdict(row).values())))
+    rows.append(("total", *map(str, asdict(report.total).values())))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(
+            cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    med = f"{statistics.median(report.detection_ms):.0f} ms" if report.detection_ms else "-"
+    worst = f"{max(report.detection_ms):.0f} ms" if report.detection_ms else "-"
+    lines += [
+        "",
+        f"mode                          {report.mode}",
+        f"corrupted blocks detected     {report.corrupted_blocks}",
+        f"blocks quarantined            {report.quarantined}",
+        f"requests recomputed / failed  {report.requests_recomputed} / {report.requests_failed}",
+        f"outputs identical to clean    {report.outputs_identical} / {report.requests}",
+        f"injection -> detection        median {med}, max {worst}",
+        f"guard internal errors         {report.internal_errors}",
+        "",
+        "PASS: every fault that was read was detected"
+        if report.ok
+        else "FAIL: a fault that was read escaped detection (or the guard hit an internal error)",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------- child side
+
+
+def _child(args: dict[str, Any]) -> None:
+    """Run the workload through one engine; write the outputs as JSON."""
+    from vllm import LLM, SamplingParams
+
+    workload = Workload(**args["workload"])
+    llm = LLM(model=args["model"], **ENGINE_ARGS)
+    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens)
+    texts: list[str | None] = []
+    for wave in workload.waves():
+        for out in llm.generate(wave, params, use_tqdm=False):
+            completion = out.outputs[0]
+            texts.append(None if completion.finish_reason == "error" else completion.text)
+    Path(args["out"]).write_text(json.dumps(texts))
+
+
+# ---------------------------------------------------------------- parent side
+
+
+def _engine_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_KVGUARD")}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.update(extra)
+    return env
+
+
+class _Progress:
+    """One status line that ticks while a long step runs (plain lines when not a TTY)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+
+    def run(self, label: str, fn: Any) -> Any:
+        start = time.monotonic()
+        done = threading.Event()
+
+        def tick() -> None:
+            while not done.wait(1.0):
+                if self.tty:
+                    self.stream.write(f"\r{label} ... {time.monotonic() - start:.0f}s")
+                    self.stream.flush()
+
+        thread = threading.Thread(target=tick, daemon=True)
+        if not self.tty:
+            self.stream.write(f"{label} ...\n")
+            self.stream.flush()
+        thread.start()
+        try:
+            return fn()
+        finally:
+            done.set()
+            thread.join()
+            lead = "\r" if self.tty else ""
+            self.stream.write(f"{lead}{label} ... done in {time.monotonic() - start:.0f}s\n")
+            self.stream.flush()
+
+
+def _run_child(args: dict[str, Any], env: dict[str, str], log: Path) -> list[str | None]:
+    with log.open("w") as err:
+        proc = subprocess.run(
+            [sys.executable, "-m", "vllm_kvguard.drill", json.dumps(args)],
+            env=env,
+            stdout=err,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
+    if proc.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"the engine run failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
+    return json.loads(Path(args["out"]).read_text())
+
+
+def run_drill(
+    *,
+    model: str | None,
+    requests: int,
+    spec: str,
+    mode: Mode,
+    workdir: Path | None = None,
+    progress: TextIO = sys.stderr,
+) -> DrillReport:
+    parse_fault_spec(spec, variable="--inject")
+    work = Path(workdir or tempfile.mkdtemp(prefix="kvguard-drill-"))
+    work.mkdir(parents=True, exist_ok=True)
+    show = _Progress(progress)
+    if model is None:
+        from vllm_kvguard.tinymodel import build_tiny_model
+
+        model = str(
+            show.run(
+                "[1/3] building a tiny random-weight model", lambda: build_tiny_model(work / "tiny-model")
+            )
+        )
+    per_prefix = max(2, requests // 4)
+    workload = asdict(Workload(prefixes=4, per_prefix=per_prefix))
+    base = {"model": model, "workload": workload}
+    reference = show.run(
+        "[2/3] clean run (plain vLLM, guard off)",
+        lambda: _run_child(
+            {**base, "out": str(work / "reference.json")}, _engine_env({}), work / "reference.log"
+        ),
+    )
+    guard_log = work / "kvguard.jsonl"
+    guard_log.unlink(missing_ok=True)
+    env = _engine_env(
+        {
+            "VLLM_KVGUARD": "1",
+            "VLLM_KVGUARD_MODE": str(mode),
+            "VLLM_KVGUARD_INJECT": spec,
+            "VLLM_KVGUARD_LOG_FILE": str(guard_log),
+        }
+    )
+    outputs = show.run(
+        f"[3/3] guarded run with faults ({spec})",
+        lambda: _run_child({**base, "out": str(work / "guarded.json")}, env, work / "guarded.log"),
+    )
+    lines = [json.loads(line) for line in guard_log.read_text().splitlines() if line.strip()]
+    report = summarize(lines, outputs, reference, mode=str(mode), spec=spec)
+    progress.write(f"engine logs and the guard's log are in {work}\n")
+    return report
+
+
+if __name__ == "__main__":
+    _child(json.loads(sys.argv[1]))

@@ -1,0 +1,55 @@
+"""Public exception types."""
+
+from __future__ import annotations
+
+
+class KVGuardConfigError(ValueError):
+    """A ``VLLM_KVGUARD_*`` variable has a value the guard does not accept.
+
+    The message names the variable, the value and what is accepted, so that
+    start-up stops with one line an operator can act on.
+    """
+
+    def __init__(self, variable: str, value: str, accepted: str) -> None:
+        self.variable = variable
+        self.value = value
+        self.accepted = accepted
+        super().__init__(f"{variable}={value!r} is not valid: expected {accepted}")
+
+
+class KVCacheCorruptionError(RuntimeError):
+    """A request read a KV-cache page whose contents changed after it was sealed.
+
+    In ``raise`` mode vLLM ends the affected request with ``finish_reason ==
+    "error"`` and the guard puts this error's message in the output's
+    ``stop_reason``; :func:`vllm_kvguard.raise_for_corruption` turns such an
+    output back into this exception.
+    """
+
+    PREFIX = "KV-cache corruption"
+
+    def __init__(self, block_id: int, layer: str, request_id: str | None = None) -> None:
+        self.block_id = block_id
+        self.layer = layer
+        self.request_id = request_id
+        super().__init__(self.describe(block_id, layer))
+
+    @classmethod
+    def describe(cls, block_id: int, layer: str) -> str:
+        return (
+            f"{cls.PREFIX}: block {block_id} (layer {layer}) failed its checksum; "
+            "the request was ended so that it does not return text computed from "
+            "a corrupted page"
+        )
+
+    @classmethod
+    def parse(cls, message: str, request_id: str | None = None) -> KVCacheCorruptionError | None:
+        """Rebuild the error from the message :meth:`describe` wrote, or None."""
+        if not message.startswith(cls.PREFIX + ": block "):
+            return None
+        rest = message[len(cls.PREFIX) + len(": block ") :]
+        block_text, _, rest = rest.partition(" (layer ")
+        layer, _, _ = rest.partition(")")
+        if not block_text.isdigit() or not layer:
+            return None
+        return cls(int(block_text), layer, request_id)

@@ -1,0 +1,85 @@
+"""Events the guard emits. The core produces them; logs (and metrics) consume them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Action(StrEnum):
+    QUARANTINED_RECOMPUTED = "quarantined_and_recomputed"
+    REQUESTS_FAILED = "requests_failed"
+    LOGGED = "logged"
+
+
+@dataclass(frozen=True)
+class Detection:
+    """A page that failed verification on one worker (shipped worker -> scheduler)."""
+
+    rank: int
+    block_id: int
+    layer: str
+    expected: int
+    actual: int
+    readers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BlockCorrupted:
+    """One corrupted block, as the operator sees it: all bad layers, all ranks."""
+
+    block_id: int
+    layer: str
+    layers: tuple[str, ...]
+    rank: int
+    ranks: tuple[int, ...]
+    expected_digest: str
+    actual_digest: str
+    request_ids: tuple[str, ...]
+    action: Action
+    generation: int
+    step: int
+
+
+@dataclass(frozen=True)
+class BlockQuarantined:
+    block_id: int
+    quarantined_total: int
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class RequestAffected:
+    request_id: str
+    block_id: int
+    outcome: str  # "recomputed" | "failed" | "logged"
+
+
+@dataclass(frozen=True)
+class FaultInjected:
+    fault_id: int
+    kind: str
+    block_id: int
+    layer: int
+    step: int
+
+
+@dataclass(frozen=True)
+class FaultOutcome:
+    fault_id: int
+    outcome: str  # "detected" | "escaped" | "not_read" | "no_change"
+    step: int
+
+
+@dataclass(frozen=True)
+class InternalError:
+    where: str
+    error: str
+    count: int
+
+
+@dataclass(frozen=True)
+class GuardStarted:
+    role: str
+    config: dict[str, object] = field(default_factory=dict)
+    details: dict[str, object] = field(default_factory=dict)

@@ -1,0 +1,236 @@
+"""Fault specs for fire drills (``VLLM_KVGUARD_INJECT``) and the injector that applies them.
+
+A spec is one or more faults separated by ``;``, each ``KIND[:key=value,...]``::
+
+    bitflip:count=3,seed=7          three single-bit flips in sealed pages at rest
+    overwrite:count=1               a page overwritten with another page's bytes
+    zero:rate=0.05,after=10         each step from step 10 on, 5 % chance to zero a page
+    nan:count=2,layer=0             NaN written into pages of layer 0
+
+Kinds mirror what corrupts KV caches in the field (shared field notes): memory
+bit flips (``bitflip``), block theft or a misdirected write (``overwrite``), a
+lost write (``zero``) and garbage from a bad kernel (``nan``). Faults land only in
+pages that are sealed, after their seal, i.e. "at rest".
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from vllm_kvguard.errors import KVGuardConfigError
+
+VARIABLE = "VLLM_KVGUARD_INJECT"
+
+
+class FaultKind(StrEnum):
+    BITFLIP = "bitflip"
+    OVERWRITE = "overwrite"
+    ZERO = "zero"
+    NAN = "nan"
+
+
+_KEYS = {"count", "rate", "seed", "after", "layer"}
+_GRAMMAR = (
+    "KIND[:key=value,...] joined by ';', KIND one of bitflip | overwrite | zero | nan, "
+    "keys count=N (>=1) or rate=P (0<P<=1), seed=N, after=STEP (>=0), layer=INDEX (>=0)"
+)
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: FaultKind
+    count: int | None = None
+    rate: float | None = None
+    seed: int = 0
+    after: int = 0
+    layer: int | None = None
+
+
+def _bad(spec: str, variable: str, why: str) -> KVGuardConfigError:
+    return KVGuardConfigError(variable, spec, f"{_GRAMMAR} ({why})")
+
+
+def _int(spec: str, variable: str, key: str, text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise _bad(spec, variable, f"{key}={text!r} is not an integer") from None
+    if value < minimum:
+        raise _bad(spec, variable, f"{key} must be >= {minimum}")
+    return value
+
+
+def parse_fault_spec(spec: str, *, variable: str = VARIABLE) -> list[FaultSpec]:
+    """Parse a fault spec; raise :class:`KVGuardConfigError` naming what is wrong."""
+    faults: list[FaultSpec] = []
+    for part in (p.strip() for p in spec.split(";")):
+        if not part:
+            continue
+        kind_text, _, args = part.partition(":")
+        try:
+            kind = FaultKind(kind_text.strip().lower())
+        except ValueError:
+            raise _bad(spec, variable, f"unknown fault kind {kind_text.strip()!r}") from None
+        kw: dict[str, str] = {}
+        for item in (a.strip() for a in args.split(",")):
+            if not item:
+                continue
+            key, eq, value = item.partition("=")
+            key = key.strip().lower()
+            if not eq or key not in _KEYS:
+                raise _bad(spec, variable, f"{item!r} is not key=value with a known key")
+            if key in kw:
+                raise _bad(spec, variable, f"{key} given twice")
+            kw[key] = value.strip()
+        count = _int(spec, variable, "count", kw["count"], 1) if "count" in kw else None
+        rate = None
+        if "rate" in kw:
+            try:
+                rate = float(kw["rate"])
+            except ValueError:
+                raise _bad(spec, variable, f"rate={kw['rate']!r} is not a number") from None
+            if not 0.0 < rate <= 1.0:
+                raise _bad(spec, variable, "rate must be in (0, 1]")
+        if count is not None and rate is not None:
+            raise _bad(spec, variable, "give count or rate, not both")
+        if count is None and rate is None:
+            count = 1
+        faults.append(
+            FaultSpec(
+                kind=kind,
+                count=count,
+                rate=rate,
+                seed=_int(spec, variable, "seed", kw["seed"], 0) if "seed" in kw else 0,
+                after=_int(spec, variable, "after", kw["after"], 0) if "after" in kw else 0,
+                layer=_int(spec, variable, "layer", kw["layer"], 0) if "layer" in kw else None,
+            )
+        )
+    if not faults:
+        raise _bad(spec, variable, "no fault given")
+    return faults
+
+
+@dataclass
+class InjectedFault:
+    """One fault that landed: where, when, and what became of it."""
+
+    kind: FaultKind
+    block_id: int
+    layer: int
+    step: int
+    read: bool = False
+    detected: bool = False
+    detected_step: int | None = None
+    discarded: bool = False
+
+
+@dataclass
+class FaultPlan:
+    """Decides, step by step, which faults to inject. Pure: the worker applies them."""
+
+    specs: list[FaultSpec]
+    _rngs: list[random.Random] = field(default_factory=list)
+    _left: list[int | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._rngs = [random.Random(s.seed * 1000003 + i) for i, s in enumerate(self.specs)]
+        self._left = [s.count for s in self.specs]
+
+    def due(
+        self, step: int, candidates: list[int], num_layers: int
+    ) -> list[tuple[FaultSpec, int, int, random.Random]]:
+        """Faults to apply at ``step``: (spec, block id, layer index, rng) for each."""
+        out: list[tuple[FaultSpec, int, int, random.Random]] = []
+        if not candidates:
+            return out
+        # At most one fault per step, so that faults spread over pages and time.
+        for i, spec in enumerate(self.specs):
+            if out or step < spec.after:
+                continue
+            rng = self._rngs[i]
+            if spec.count is not None:
+                if not self._left[i]:
+                    continue
+                self._left[i] = self._left[i] - 1  # type: ignore[operator]
+            elif rng.random() >= (spec.rate or 0.0):
+                continue
+            block = rng.choice(candidates)
+            layer = spec.layer if spec.layer is not None else rng.randrange(num_layers)
+            out.append((spec, block, min(layer, num_layers - 1), rng))
+        return out
+
+
+@dataclass(frozen=True)
+class Injection:
+    """An order to a worker: corrupt this page now (after this step's seals)."""
+
+    fault_id: int
+    kind: FaultKind
+    block_id: int
+    layer: int
+    seed: int
+
+
+class FaultTracker:
+    """Scheduler-side bookkeeping of a fire drill: what was injected and what became of it.
+
+    A fault is *read* when a request reuses its page (the ledger plans a verify
+    of that block), *detected* when that verification reports the block, and
+    *escaped* when it was read and the worker verified it clean. A page handed to a
+    new writer before anyone read it ends the fault as *not_read*.
+    """
+
+    def __init__(self, specs: list[FaultSpec]) -> None:
+        self._plan = FaultPlan(specs)
+        self.faults: dict[int, InjectedFault] = {}
+        self._pending: dict[int, list[int]] = {}  # block -> fault ids not yet read
+        self._reading: dict[int, list[int]] = {}  # step -> fault ids read at that step
+        self._next_id = 1
+
+    def inject(self, step: int, candidates: list[int], num_layers: int) -> list[Injection]:
+        out = []
+        fresh = [b for b in candidates if b not in self._pending]
+        for spec, block, layer, rng in self._plan.due(step, fresh, num_layers):
+            fid = self._next_id
+            self._next_id += 1
+            self.faults[fid] = InjectedFault(spec.kind, block, layer, step)
+            self._pending.setdefault(block, []).append(fid)
+            out.append(Injection(fid, spec.kind, block, layer, rng.randrange(2**31)))
+        return out
+
+    def allocated(self, blocks: list[int]) -> list[int]:
+        """Blocks handed to a new writer: their unread faults end as not read."""
+        ended = []
+        for block in blocks:
+            for fid in self._pending.pop(block, ()):
+                self.faults[fid].discarded = True
+                ended.append(fid)
+        return ended
+
+    def verifying(self, step: int, blocks: list[int]) -> None:
+        read = []
+        for block in blocks:
+            for fid in self._pending.pop(block, ()):
+                self.faults[fid].read = True
+                read.append(fid)
+        if read:
+            self._reading[step] = read
+
+    def no_change(self, fault_id: int) -> None:
+        fault = self.faults[fault_id]
+        fault.discarded = True
+        pending = self._pending.get(fault.block_id, [])
+        if fault_id in pending:
+            pending.remove(fault_id)
+
+    def verified(self, step: int, bad_blocks: set[int]) -> list[tuple[int, bool]]:
+        """The worker reported step ``step``: (fault id, detected) for faults read then."""
+        out = []
+        for fid in self._reading.pop(step, ()):
+            fault = self.faults[fid]
+            fault.detected = fault.block_id in bad_blocks
+            fault.detected_step = step if fault.detected else None
+            out.append((fid, fault.detected))
+        return out

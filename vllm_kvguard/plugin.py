@@ -1,0 +1,92 @@
+"""vLLM general-plugin entry point: wires the guard in from the environment alone.
+
+vLLM calls :func:`register` once in every process it starts (front end, engine
+core, workers). Only the front end builds the engine configuration, so the one
+thing done here is to wrap ``EngineArgs.create_engine_config``: when it runs
+with ``VLLM_KVGUARD=1`` it adds the guard's KV connector to the configuration
+(composing with a connector the user set, through vLLM's MultiConnector), and
+with a bad ``VLLM_KVGUARD*`` value it stops start-up with the error. With the
+guard off the wrapper calls the original and changes nothing.
+
+The environment is read when the engine is configured, not when the plugin
+loads, so a process that builds several engines sees the current settings.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from vllm_kvguard.config import KVGuardConfig, Mode, load_config
+
+CONNECTOR = "KVGuardConnector"
+MODULE = "vllm_kvguard.connector"
+
+
+def register() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs.create_engine_config, "_kvguard", False):
+        return
+    original = EngineArgs.create_engine_config
+
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        config = load_config()
+        if config.enabled:
+            self.kv_transfer_config = compose_kv_transfer_config(self.kv_transfer_config, config)
+        return original(self, *args, **kwargs)
+
+    create_engine_config._kvguard = True  # type: ignore[attr-defined]
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+
+
+def _as_dict(ktc: Any) -> dict[str, Any]:
+    if ktc is None:
+        return {}
+    if isinstance(ktc, dict):
+        return dict(ktc)
+    from dataclasses import fields
+
+    return {f.name: getattr(ktc, f.name) for f in fields(ktc) if getattr(ktc, f.name) is not None}
+
+
+def _failure_policy(config: KVGuardConfig, user_policy: str | None) -> str:
+    # raise: vLLM fails the readers of a bad block; quarantine: it recomputes them.
+    if config.mode == Mode.RAISE:
+        return "fail"
+    if config.mode == Mode.QUARANTINE:
+        return "recompute"
+    return user_policy or "recompute"
+
+
+def compose_kv_transfer_config(ktc: Any, config: KVGuardConfig) -> Any:
+    """The user's KV transfer config with the guard added (idempotent)."""
+    from vllm.config import KVTransferConfig
+
+    ours = {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvguard": config.to_dict()},
+    }
+    user = _as_dict(ktc)
+    user_connector = user.get("kv_connector")
+    policy = _failure_policy(config, user.get("kv_load_failure_policy") if user else None)
+    if not user_connector or user_connector == CONNECTOR:
+        return KVTransferConfig(**ours, kv_load_failure_policy=policy)
+    if user_connector == "MultiConnector":
+        extra = dict(user.get("kv_connector_extra_config") or {})
+        children = [c for c in extra.get("connectors", []) if c.get("kv_connector") != CONNECTOR]
+        extra["connectors"] = [*children, ours]
+        user["kv_connector_extra_config"] = extra
+        user["kv_load_failure_policy"] = policy
+        return KVTransferConfig(**user)
+    child = {k: v for k, v in user.items() if k not in ("kv_load_failure_policy", "engine_id")}
+    top = {k: user[k] for k in ("kv_role", "engine_id", "kv_buffer_device") if k in user}
+    return KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_connector_extra_config={"connectors": [child, ours]},
+        kv_load_failure_policy=policy,
+        **top,
+    )

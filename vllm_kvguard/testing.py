@@ -1,0 +1,40 @@
+"""Worker-side helpers for tests and fire drills, run through ``LLM.collective_rpc``.
+
+They reach the guard inside a worker process (vLLM's KV transfer group) to read
+which pages are sealed and to corrupt a page on purpose. ``collective_rpc``
+with a function needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _guard() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from vllm_kvguard.connector import find_guard
+
+    guard = find_guard(get_kv_transfer_group())
+    if guard is None or guard.table is None:
+        raise RuntimeError("the KV guard is not running in this worker")
+    return guard
+
+
+def flip_bit(_worker: Any, block_id: int, layer: int = 0, byte: int = 0, bit: int = 0) -> list[str]:
+    """Flip one bit of one page in this worker's KV memory; return the layer names."""
+    import torch
+
+    guard = _guard()
+    page = guard.pages.page(block_id, layer).view(torch.uint8).reshape(-1)
+    page[byte] ^= 1 << bit
+    return guard.pages.names
+
+
+def seal_snapshot(_worker: Any = None) -> dict[int, int]:
+    """{block id: digest of its first layer} for every sealed block in this worker."""
+    import numpy as np
+
+    table = _guard().table
+    blocks = np.flatnonzero(table.sealed)
+    return dict(zip(blocks.tolist(), table.digests[blocks, 0].tolist(), strict=True))
