@@ -181,7 +181,8 @@ class KVGuardConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.ledger = BlockLedger(num_blocks, self.block_size)
             self.faults = FaultTracker(parse_fault_spec(self.config.inject)) if self.config.inject else None
-            self.quarantine_limit = int(self.config.quarantine_max_fraction * num_blocks)
+            fraction = self.config.quarantine_max_fraction
+            self.quarantine_limit = max(1, int(fraction * num_blocks)) if fraction > 0 else 0
             self.corruption_messages: dict[str, str] = {}
             self.stats: dict[str, int] = defaultdict(int)
             self._num_layers = max(1, vllm_config.model_config.get_num_layers(vllm_config.parallel_config))

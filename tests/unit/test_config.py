@@ -59,7 +59,7 @@ def test_bad_values_name_variable_value_and_accepted(variable: str, value: str, 
 
 
 def test_injection_needs_the_guard_on() -> None:
-    with pytest.raises(KVGuardConfigError, match="VLLM_KVGUARD_INJECT.*VLLM_KVGUARD=1"):
+    with pytest.raises(KVGuardConfigError, match=r"VLLM_KVGUARD_INJECT.*VLLM_KVGUARD=1"):
         load_config({"VLLM_KVGUARD_INJECT": "zero"})
 
 

@@ -1,0 +1,82 @@
+"""Start real vLLM (CPU build) engines for tests, with the guard configured by environment."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# Tests reach into worker processes (collective_rpc with a function) to corrupt pages.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+BLOCK = 32
+# Small enough to force preemption under the clean workload, with chunked prefill.
+ENGINE_ARGS: dict[str, Any] = {
+    "dtype": "bfloat16",
+    "enforce_eager": True,
+    "enable_prefix_caching": True,
+    "enable_chunked_prefill": True,
+    "max_num_batched_tokens": 96,
+    "block_size": BLOCK,
+    "max_model_len": 512,
+    "max_num_seqs": 8,
+    "num_gpu_blocks_override": 20,
+    "disable_log_stats": False,
+}
+
+
+@contextlib.contextmanager
+def engine(model: str, env: dict[str, str], **overrides: Any) -> Iterator[Any]:
+    from vllm import LLM
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    llm = None
+    try:
+        llm = LLM(model=model, **{**ENGINE_ARGS, **overrides})
+        yield llm
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+
+
+def guard_env(mode: str, log_file: Path, **extra: str) -> dict[str, str]:
+    return {
+        "VLLM_KVGUARD": "1",
+        "VLLM_KVGUARD_MODE": mode,
+        "VLLM_KVGUARD_LOG_FILE": str(log_file),
+        **extra,
+    }
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def events(path: Path, name: str) -> list[dict[str, Any]]:
+    return [line for line in read_log(path) if line["event"] == name]
+
+
+def words(start: int, n: int, step: int = 7) -> str:
+    """``n`` one-token words (the tiny tokenizer has one token per word)."""
+    return " ".join(f"w{(start + i * step) % 400}" for i in range(n))
+
+
+def preemptions(llm: Any) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
