@@ -1,0 +1,106 @@
+"""`kvguard drill` and `kvguard config`, run as a user runs them (the console script)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.engine.harness import read_log
+
+pytestmark = pytest.mark.engine
+KVGUARD = [sys.executable, "-m", "vllm_kvguard.cli"]
+
+
+def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_KVGUARD")}
+    full.update(env)
+    return subprocess.run(
+        [*KVGUARD, *args], env=full, capture_output=True, text=True, timeout=900, check=False
+    )
+
+
+def test_drill_detects_every_fault_kind_that_is_read(tiny_model: str, tmp_path: Path) -> None:
+    spec = "bitflip:count=2,seed=5;overwrite:count=1,seed=6;zero:count=1,seed=7;nan:count=1,seed=8"
+    proc = _run(["drill", "--model", tiny_model, "--json", "--workdir", str(tmp_path), "--inject", spec])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    log = read_log(tmp_path / "kvguard.jsonl")
+    injected = [line for line in log if line["event"] == "kv_fault_injected"]
+    # The table agrees with what the engine says it injected, kind by kind.
+    expected = {"bitflip": 2, "overwrite": 1, "zero": 1, "nan": 1}
+    assert {k: row["injected"] for k, row in report["by_kind"].items()} == expected
+    assert sorted(line["kind"] for line in injected) == sorted(
+        k for k, n in expected.items() for _ in range(n)
+    )
+    for kind, row in report["by_kind"].items():
+        assert row["escaped"] == 0, kind
+        assert row["read"] == row["detected"], kind
+        assert row["read"] + row["not_read"] + row["no_change"] == row["injected"], kind
+    total = report["total"]
+    assert total["detected"] >= 3, report  # the workload reuses idle prefix pages
+    # Each detected fault is a corrupted block in the log, quarantined, and the
+    # readers recomputed: outputs are identical to plain vLLM.
+    corrupted = {line["block_id"] for line in log if line["event"] == "kv_block_corrupted"}
+    outcomes = {line["fault_id"]: line["outcome"] for line in log if line["event"] == "kv_fault_outcome"}
+    for line in injected:
+        if outcomes.get(line["fault_id"]) == "detected":
+            assert line["block_id"] in corrupted
+    assert report["quarantined"] == len(corrupted) == report["corrupted_blocks"]
+    assert report["requests_recomputed"] >= 1 and report["requests_failed"] == 0
+    assert report["outputs_identical"] == report["requests"] == 16
+    assert report["detection_ms_median"] is not None and report["detection_ms_median"] >= 0
+    assert report["ok"] is True and report["internal_errors"] == 0
+    assert any(
+        line["event"] == "kvguard_fault_injection_armed" and line["level"] == "warning" for line in log
+    )
+
+
+def test_fault_in_a_page_never_read_is_not_read_not_detected(tiny_model: str, tmp_path: Path) -> None:
+    # 4 requests over 4 prefixes: no prefix is used twice, so no page is ever reused.
+    proc = _run(
+        [
+            "drill",
+            "--model",
+            tiny_model,
+            "--requests",
+            "4",
+            "--inject",
+            "zero:count=2",
+            "--workdir",
+            str(tmp_path),
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout
+    assert "zero" in table and "PASS" in table
+    row = next(line.split() for line in table.splitlines() if line.startswith("zero"))
+    assert row[1:] == ["2", "0", "0", "0", "2", "0"]  # injected, read, detected, escaped, not read, no change
+    assert "corrupted blocks detected     0" in table
+    assert "outputs identical to clean    8 / 8" in table
+
+
+def test_bad_spec_is_one_clear_error() -> None:
+    proc = _run(["drill", "--inject", "meteor:count=1"])
+    assert proc.returncode == 2
+    assert "--inject='meteor:count=1' is not valid" in proc.stderr
+    assert "unknown fault kind 'meteor'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_config_prints_effective_configuration() -> None:
+    proc = _run(["config"], VLLM_KVGUARD="1", VLLM_KVGUARD_MODE="raise")
+    assert proc.returncode == 0
+    out = json.loads(proc.stdout)
+    assert out["effective"]["enabled"] is True and out["effective"]["mode"] == "raise"
+    assert "VLLM_KVGUARD_MODE" in out["variables"]
+
+
+def test_config_rejects_bad_environment() -> None:
+    proc = _run(["config"], VLLM_KVGUARD="1", VLLM_KVGUARD_HASH="md5")
+    assert proc.returncode == 2
+    assert "VLLM_KVGUARD_HASH='md5' is not valid: expected xxh3_64 | xxh64" in proc.stderr

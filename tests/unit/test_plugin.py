@@ -1,0 +1,60 @@
+"""How the plugin adds the guard to vLLM's KV transfer config (vLLM's own config class)."""
+
+import pytest
+
+from vllm_kvguard.config import load_config
+from vllm_kvguard.plugin import compose_kv_transfer_config
+
+from vllm.config import KVTransferConfig
+
+
+def _config(mode: str = "quarantine"):
+    return load_config({"VLLM_KVGUARD": "1", "VLLM_KVGUARD_MODE": mode})
+
+
+@pytest.mark.parametrize(
+    ("mode", "policy"), [("quarantine", "recompute"), ("raise", "fail"), ("log", "recompute")]
+)
+def test_no_user_connector(mode: str, policy: str) -> None:
+    ktc = compose_kv_transfer_config(None, _config(mode))
+    assert isinstance(ktc, KVTransferConfig)
+    assert ktc.kv_connector == "KVGuardConnector"
+    assert ktc.kv_connector_module_path == "vllm_kvguard.connector"
+    assert ktc.kv_role == "kv_both" and ktc.kv_load_failure_policy == policy
+    assert ktc.kv_connector_extra_config["kvguard"]["mode"] == mode
+
+
+def test_composes_with_a_user_connector_through_multiconnector() -> None:
+    user = KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"cpu_bytes_to_use": 1 << 30},
+    )
+    ktc = compose_kv_transfer_config(user, _config())
+    assert ktc.kv_connector == "MultiConnector"
+    first, ours = ktc.kv_connector_extra_config["connectors"]
+    assert first["kv_connector"] == "OffloadingConnector"
+    assert first["kv_connector_extra_config"] == {"cpu_bytes_to_use": 1 << 30}
+    assert ours["kv_connector"] == "KVGuardConnector"
+    assert ktc.kv_load_failure_policy == "recompute"
+
+
+def test_appends_to_an_existing_multiconnector_once() -> None:
+    user = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}]
+        },
+    }
+    once = compose_kv_transfer_config(user, _config())
+    twice = compose_kv_transfer_config(once, _config())
+    names = [c["kv_connector"] for c in twice.kv_connector_extra_config["connectors"]]
+    assert names == ["OffloadingConnector", "KVGuardConnector"]
+
+
+def test_log_mode_keeps_the_users_policy() -> None:
+    user = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both", kv_load_failure_policy="fail"
+    )
+    assert compose_kv_transfer_config(user, _config("log")).kv_load_failure_policy == "fail"
