@@ -36,6 +36,7 @@ class HashAlgorithm(StrEnum):
 
 
 class LogFormat(StrEnum):
+    AUTO = "auto"
     JSON = "json"
     CONSOLE = "console"
 
@@ -48,10 +49,11 @@ class KVGuardConfig:
     mode: Mode = Mode.QUARANTINE
     hash: HashAlgorithm = HashAlgorithm.XXH3_64
     quarantine_max_fraction: float = 0.02
-    log_format: LogFormat = LogFormat.JSON
+    log_format: LogFormat = LogFormat.AUTO
     log_file: str | None = None
     log_level: str = "INFO"
     inject: str | None = None
+    metrics_port: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, StrEnum) else v) for k, v in asdict(self).items()}
@@ -102,6 +104,15 @@ def _log_level(var: str, raw: str) -> str:
     return value
 
 
+def _port(var: str, raw: str) -> int | None:
+    text = raw.strip()
+    if not text:
+        return None
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise KVGuardConfigError(var, raw, "a TCP port number 1-65535 (or empty for none)")
+    return int(text)
+
+
 def _inject(var: str, raw: str) -> str | None:
     from vllm_kvguard.faults import parse_fault_spec
 
@@ -122,6 +133,7 @@ _VARIABLES = {
     "_LOG_FILE": ("log_file", lambda var, raw: raw.strip() or None),
     "_LOG_LEVEL": ("log_level", _log_level),
     "_INJECT": ("inject", _inject),
+    "_METRICS_PORT": ("metrics_port", _port),
 }
 
 

@@ -19,6 +19,7 @@ back (see docs/design.md for the call order and why each hook was chosen):
 from __future__ import annotations
 
 import functools
+import time
 import traceback
 from collections import defaultdict
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from vllm_kvguard.config import KVGuardConfig, Mode, load_config
 from vllm_kvguard.digest import DigestTable, KVPages
@@ -50,6 +52,7 @@ from vllm_kvguard.events import (
 from vllm_kvguard.faults import FaultKind, FaultTracker, Injection, parse_fault_spec
 from vllm_kvguard.ledger import BlockLedger, ScheduledRequest, StepPlan
 from vllm_kvguard.logs import GuardLog
+from vllm_kvguard.metrics import GuardCounters, Recorder, StandaloneExporter, build_metrics
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,15 +87,62 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
     detections: list[Detection] = field(default_factory=list)
     unchanged_faults: list[int] = field(default_factory=list)
     internal_errors: list[str] = field(default_factory=list)
+    counters: dict[str, Any] = field(default_factory=dict)  # GuardCounters.to_dict()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVGuardWorkerMetadata)
+        counters = GuardCounters.from_dict(self.counters)
+        counters.absorb(other.counters)
         return KVGuardWorkerMetadata(
             verified_steps=self.verified_steps | other.verified_steps,
             detections=self.detections + other.detections,
             unchanged_faults=sorted(set(self.unchanged_faults) | set(other.unchanged_faults)),
             internal_errors=self.internal_errors + other.internal_errors,
+            counters=counters.to_dict(),
         )
+
+
+@dataclass
+class KVGuardStats(KVConnectorStats):
+    """The guard's metric deltas on vLLM's KV-connector stats path (engine -> front end)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged = GuardCounters.from_dict(self.data)
+        merged.absorb(other.data)
+        return KVGuardStats(data=merged.to_dict())
+
+    def reduce(self) -> dict[str, int | float]:
+        delta = GuardCounters.from_dict(self.data)
+        out: dict[str, int | float] = dict(delta.counts)
+        for key, labels in delta.labelled.items():
+            for label, n in labels.items():
+                out[f"{key}_{label}"] = n
+        out.update(delta.gauges)
+        return out
+
+    def is_empty(self) -> bool:
+        return GuardCounters.from_dict(self.data).empty()
+
+
+class KVGuardPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvguard_*`` series on the front end's /metrics, with vLLM's labels."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)  # type: ignore[arg-type]
+        metrics = build_metrics(self._counter_cls, self._gauge_cls, self._histogram_cls, labelnames)
+        self._recorder = Recorder(metrics, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        self._recorder.observe(transfer_stats_data, engine_idx)
 
 
 def _fail_open(default: Callable[[Any], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
@@ -111,6 +161,8 @@ def _fail_open(default: Callable[[Any], T]) -> Callable[[Callable[..., T]], Call
                 return fn(self, *args, **kwargs)
             except Exception as exc:
                 self.internal_errors += 1
+                if self.role == KVConnectorRole.SCHEDULER:
+                    self.counters.add("internal_errors")
                 self.log.event(
                     "kvguard_internal_error",
                     InternalError(fn.__name__, repr(exc), self.internal_errors),
@@ -184,7 +236,11 @@ class KVGuardConnector(KVConnectorBase_V1):
             fraction = self.config.quarantine_max_fraction
             self.quarantine_limit = max(1, int(fraction * num_blocks)) if fraction > 0 else 0
             self.corruption_messages: dict[str, str] = {}
-            self.stats: dict[str, int] = defaultdict(int)
+            self.counters = GuardCounters()
+            self._hit_tokens: dict[int, dict[str, int]] = {}
+            self.exporter = (
+                StandaloneExporter(self.config.metrics_port, str(model)) if self.config.metrics_port else None
+            )
             self._num_layers = max(1, vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
             _install_scheduler_hook()
             self.log.event(
@@ -216,6 +272,7 @@ class KVGuardConnector(KVConnectorBase_V1):
             self.pages: KVPages | None = None
             self.table: DigestTable | None = None
             self._invalid: set[int] = set()
+            self.worker_counters = GuardCounters()
             self._num_blocks = num_blocks
 
     # ------------------------------------------------------------------ worker
@@ -257,10 +314,14 @@ class KVGuardConnector(KVConnectorBase_V1):
 
     def _verify(self, meta: KVGuardMetadata) -> None:
         assert self.pages is not None and self.table is not None
+        start = time.perf_counter()
         blocks = self.table.sealed_only(meta.verify)
         mismatches = self.table.compare(blocks, self.pages.digest(blocks), self.pages.names)
         out = self._worker_meta()
         out.verified_steps.add(meta.step)
+        self.worker_counters.add("verified", len(blocks), label="reuse")
+        self.worker_counters.add("bytes_hashed", len(blocks) * self.pages.bytes_per_block, label="verify")
+        self.worker_counters.observe("verify_seconds", time.perf_counter() - start)
         for m in mismatches:
             out.detections.append(
                 Detection(
@@ -302,6 +363,9 @@ class KVGuardConnector(KVConnectorBase_V1):
         # After the forward: the pages whose last slot was written this step are final.
         if meta.seal:
             self.table.seal(meta.seal, self.pages.digest(meta.seal))
+            self.worker_counters.add(
+                "bytes_hashed", len(meta.seal) * self.pages.bytes_per_block, label="seal"
+            )
         for injection in meta.inject:
             if not self._inject(injection):
                 self._worker_meta().unchanged_faults.append(injection.fault_id)
@@ -336,6 +400,9 @@ class KVGuardConnector(KVConnectorBase_V1):
         return bad
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self.worker_counters.empty():
+            self._worker_meta().counters = self.worker_counters.to_dict()
+            self.worker_counters = GuardCounters()
         out, self._pending_worker_meta = self._pending_worker_meta, None
         return out
 
@@ -359,11 +426,17 @@ class KVGuardConnector(KVConnectorBase_V1):
         so = scheduler_output
         if not self.active:
             return KVGuardMetadata(step=self.ledger.step)
-        plan = self.ledger.plan(self._scheduled(so))
+        requests = self._scheduled(so)
+        plan = self.ledger.plan(requests)
         meta = KVGuardMetadata(plan.step, plan.seal, plan.forget, plan.verify, plan.readers)
-        self.stats["sealed"] += len(plan.seal)
-        self.stats["verify_planned"] += len(plan.verify)
-        self.stats["unverified_hits"] += plan.unverified_hits
+        self.counters.add("sealed", len(plan.seal))
+        if plan.verify:
+            bs = self.block_size
+            self._hit_tokens[plan.step] = {
+                r.req_id: r.num_computed for r in requests if r.fresh and r.num_computed >= bs
+            }
+            # Detections come back with this step's or the next step's output.
+            self._hit_tokens.pop(plan.step - 3, None)
         for violation in self.ledger.take_violations():
             self.log.line(
                 "kv_block_lifecycle_violation",
@@ -421,6 +494,7 @@ class KVGuardConnector(KVConnectorBase_V1):
         candidates = self.ledger.idle_sealed(lambda b: blocks[b].ref_cnt > 0 or blocks[b].block_hash is None)
         meta.inject = self.faults.inject(plan.step, candidates, self._num_layers)
         for inj in meta.inject:
+            self.counters.add("faults_injected", label=str(inj.kind))
             self.log.event(
                 "kv_fault_injected",
                 FaultInjected(inj.fault_id, str(inj.kind), inj.block_id, inj.layer, plan.step),
@@ -432,8 +506,9 @@ class KVGuardConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KVGuardWorkerMetadata):
             return
+        self.counters.absorb(meta.counters)
         for error in meta.internal_errors:
-            self.stats["worker_internal_errors"] += 1
+            self.counters.add("internal_errors")
             self.log.line("kvguard_worker_internal_error", level="error", error=error)
         by_block: dict[int, list[Detection]] = defaultdict(list)
         for d in meta.detections:
@@ -457,7 +532,7 @@ class KVGuardConnector(KVConnectorBase_V1):
         first = detections[0]
         readers = tuple(sorted({r for d in detections for r in d.readers}))
         mode = self.config.mode
-        self.stats["corrupted_blocks"] += 1
+        self.counters.add("corruptions", label="checksum_mismatch")
         if mode == Mode.LOG:
             action = Action.LOGGED
             outcome = "logged"
@@ -483,7 +558,9 @@ class KVGuardConnector(KVConnectorBase_V1):
             level="error",
         )
         for req_id in readers:
-            self.stats[f"requests_{outcome}"] += 1
+            self.counters.add("requests_affected", label=outcome)
+            if mode == Mode.QUARANTINE:
+                self.counters.add("tokens_recomputed", self._tokens_to_recompute(req_id, block))
             self.log.event("kv_request_affected", RequestAffected(req_id, block, outcome), level="warning")
             if mode == Mode.RAISE:
                 self.corruption_messages[req_id] = KVCacheCorruptionError.describe(block, first.layer)
@@ -514,7 +591,7 @@ class KVGuardConnector(KVConnectorBase_V1):
         else:
             self.ledger.release([block])
             pool.evict_blocks({block})
-        self.stats["quarantined"] = self.ledger.quarantined()
+        self.counters.set("quarantined", self.ledger.quarantined())
         self.log.event(
             "kv_block_quarantined",
             BlockQuarantined(block, self.ledger.quarantined(), pinned),
@@ -527,6 +604,40 @@ class KVGuardConnector(KVConnectorBase_V1):
 
     def take_corruption_message(self, req_id: str) -> str | None:
         return self.corruption_messages.pop(req_id, None)
+
+    def _tokens_to_recompute(self, req_id: str, block: int) -> int:
+        hits = next((h[req_id] for h in reversed(self._hit_tokens.values()) if req_id in h), 0)
+        try:
+            table = self._kv_cache_manager.get_block_ids(req_id)[0]  # type: ignore[union-attr]
+        except (KeyError, AssertionError, AttributeError):
+            return 0
+        return max(0, hits - table.index(block) * self.block_size) if block in table else 0
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.role != KVConnectorRole.SCHEDULER or self.counters.empty():
+            return None
+        delta, self.counters = self.counters.to_dict(), GuardCounters()
+        if self.exporter is not None:
+            self.exporter.observe(delta)
+        return KVGuardStats(data=delta)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVGuardStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVGuardPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.SCHEDULER and self.exporter is not None:
+            self.exporter.close()
 
 
 def _install_scheduler_hook() -> None:

@@ -1,9 +1,15 @@
 """Structured logs (structlog): every guard event becomes one log line.
 
-Lines go to stderr and, when ``VLLM_KVGUARD_LOG_FILE`` is set, are appended to
-that file too (one JSON object per line with the ``json`` format). The guard
-never reconfigures structlog globally, so an application's own structlog setup
-is left alone.
+Lines go through the standard-library logger ``vllm.kvguard``, a child of vLLM's
+``vllm`` logger, so they share vLLM's handlers, prefix, level and any logging
+configuration the operator gave vLLM (``VLLM_LOGGING_CONFIG_PATH``). The message
+is rendered by structlog: JSON when asked (``VLLM_KVGUARD_LOG_FORMAT=json``) or,
+with ``auto``, when vLLM's logging configuration uses a JSON formatter; readable
+``key=value`` console lines otherwise. With ``VLLM_KVGUARD_LOG_FILE`` every line
+is also appended to that file as one JSON object (for tools and fire drills).
+
+The guard never reconfigures structlog globally, so an application's own
+structlog setup is left alone.
 """
 
 from __future__ import annotations
@@ -11,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 import threading
 from typing import Any, TextIO
 
@@ -19,54 +24,73 @@ import structlog
 
 from vllm_kvguard.config import KVGuardConfig, LogFormat
 
+LOGGER_NAME = "vllm.kvguard"
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
 
 
-class _Sink:
-    """Writes each rendered line to stderr and the optional log file, atomically per line."""
+def vllm_logs_json(config_path: str | None) -> bool:
+    """Whether vLLM's logging config (``VLLM_LOGGING_CONFIG_PATH``) uses a JSON formatter."""
+    if not config_path:
+        return False
+    try:
+        with open(config_path) as f:
+            return "json" in f.read().lower()
+    except OSError:
+        return False
 
-    def __init__(self, path: str | None) -> None:
+
+def _render_format(config: KVGuardConfig) -> LogFormat:
+    if config.log_format != LogFormat.AUTO:
+        return config.log_format
+    return LogFormat.JSON if vllm_logs_json(os.environ.get("VLLM_LOGGING_CONFIG_PATH")) else LogFormat.CONSOLE
+
+
+class _FileSink:
+    """Appends JSON lines to a file; one lock so lines from threads never interleave."""
+
+    def __init__(self, path: str) -> None:
         self._lock = threading.Lock()
-        self._file: TextIO | None = open(path, "a", buffering=1) if path else None  # noqa: SIM115
+        self._file: TextIO = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
 
-    def msg(self, line: str) -> None:
+    def write(self, line: str) -> None:
         with self._lock:
-            sys.stderr.write(line + "\n")
-            if self._file is not None:
-                self._file.write(line + "\n")
-
-    log = debug = info = warning = error = critical = exception = msg
+            self._file.write(line + "\n")
 
 
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return list(value)
-    return value
+    return list(value) if isinstance(value, tuple) else value
 
 
 class GuardLog:
-    """The guard's logger, with rank, role, engine and model bound as context."""
+    """The guard's logger, with role, rank, engine and model bound as context."""
 
     def __init__(self, config: KVGuardConfig, **context: Any) -> None:
-        renderer: Any = (
-            structlog.processors.JSONRenderer(sort_keys=False)
-            if config.log_format == LogFormat.JSON
-            else structlog.dev.ConsoleRenderer(colors=False)
+        self._std = logging.getLogger(LOGGER_NAME)
+        self._level = _LEVELS[config.log_level]
+        self._context = {"logger": "vllm_kvguard", "pid": os.getpid(), **context}
+        stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
+        self._stamp = stamp
+        self._json = structlog.processors.JSONRenderer(sort_keys=False)
+        self._render = (
+            self._json
+            if _render_format(config) == LogFormat.JSON
+            else structlog.dev.ConsoleRenderer(colors=False, pad_event_to=0)
         )
-        processors = [
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
-        ]
-        self._log = structlog.wrap_logger(
-            _Sink(config.log_file),
-            processors=processors,
-            wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[config.log_level]),
-        ).bind(logger="vllm_kvguard", pid=os.getpid(), **context)
+        self._file = _FileSink(config.log_file) if config.log_file else None
 
     def event(self, name: str, obj: object, level: str = "info", **extra: Any) -> None:
         fields = {k: _jsonable(v) for k, v in dataclasses.asdict(obj).items()}  # type: ignore[call-overload]
-        getattr(self._log, level)(name, **fields, **extra)
+        self.line(name, level, **fields, **extra)
 
     def line(self, name: str, level: str = "info", **fields: Any) -> None:
-        getattr(self._log, level)(name, **fields)
+        number = _LEVELS.get(level.upper(), logging.INFO)
+        if number < self._level:
+            return
+        record = self._stamp(None, level, {**self._context, **fields, "event": name, "level": level})
+        if self._file is not None:
+            self._file.write(self._json(None, level, dict(record)))
+        if self._render is self._json:
+            self._std.log(number, self._json(None, level, dict(record)))
+        else:
+            shown = {k: v for k, v in record.items() if k not in ("logger", "pid", "timestamp", "level")}
+            self._std.log(number, self._render(None, level, shown))

@@ -1,0 +1,213 @@
+"""The guard under the OpenAI API server, scraped by a real Prometheus server.
+
+The server runs with the guard switched on by environment only (plus a fire-drill
+fault, the operator's way to corrupt a page in a live server); Prometheus is
+Debian's ``prometheus`` binary on loopback, loading the shipped alert rules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.engine.harness import events, words
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parents[2]
+PREFIX = words(5, 128)  # exactly 4 blocks of 32 one-token words
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _wait(predicate: Any, timeout: float, what: str, proc: subprocess.Popen[bytes] | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: process exited with {proc.returncode}")
+        try:
+            value = predicate()
+            if value:
+                return value
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    work = tmp_path_factory.mktemp("serve")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_KVGUARD")}
+    env.update(
+        VLLM_KVGUARD="1",
+        VLLM_KVGUARD_INJECT="bitflip:count=1,seed=3",
+        VLLM_KVGUARD_LOG_FILE=str(work / "guard.jsonl"),
+        HF_HUB_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+    )
+    log = (work / "server.log").open("w")
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", tiny_model, "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+            "--block-size", "32", "--max-model-len", "512", "--enforce-eager", "--dtype", "bfloat16",
+        ],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: _get(base + "/health") is not None, 300, "the API server", proc)
+        yield {"base": base, "port": port, "log": work / "guard.jsonl", "work": work}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def prometheus(server: dict[str, Any]) -> Iterator[str]:
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is required (Debian package 'prometheus'; .ci/run installs it)"
+    work = server["work"]
+    port = _free_port()
+    (work / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: [{ROOT / 'examples' / 'prometheus' / 'kvguard-alerts.yml'}]\n"
+        "scrape_configs:\n"
+        f"  - job_name: vllm\n    static_configs: [{{targets: ['127.0.0.1:{server['port']}']}}]\n"
+    )
+    proc = subprocess.Popen(
+        [
+            binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=(work / "prometheus.log").open("w"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _complete(base: str, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
+    return _post(
+        base + "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+    )
+
+
+def _samples(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(_get(base + "/metrics")):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _value(samples: dict[Any, float], name: str, **labels: str) -> float:
+    want = {"model_name": "tiny", "engine": "0", **labels}
+    hits = [
+        v
+        for (n, ls), v in samples.items()
+        if n == name and all(dict(ls).get(k) == x for k, x in want.items())
+    ]
+    assert len(hits) == 1, (name, labels, hits)
+    return hits[0]
+
+
+def _query(prom: str, expr: str) -> list[dict[str, Any]]:
+    data = json.loads(_get(prom + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})))
+    return data["data"]["result"]
+
+
+def test_corruption_moves_metrics_and_fires_the_alert(server: dict[str, Any], prometheus: str) -> None:
+    base = server["base"]
+    before = _samples(base)
+    assert _value(before, "vllm:kvguard_corruptions_detected_total", kind="checksum_mismatch") == 0
+    # Prometheus sees the zero before the corruption, so increase() can fire.
+    _wait(
+        lambda: _query(prometheus, "vllm:kvguard_corruptions_detected_total"),
+        60,
+        "Prometheus to scrape the guard's series",
+    )
+
+    # A writes and seals the 4 prefix blocks (and fills no other block).
+    _complete(base, PREFIX + " w401 w402", max_tokens=4)
+    # The drill corrupts one idle sealed page on the next step: one of A's prefix blocks.
+    _complete(base, "w1 w2 w3", max_tokens=4)
+    # B reuses the prefix: the page is verified, fails, is quarantined, B recomputes.
+    b = _complete(base, PREFIX + " w403 w404", max_tokens=8)
+    assert b["choices"][0]["finish_reason"] == "length"
+    clean_again = _complete(base, PREFIX + " w403 w404", max_tokens=8)
+    assert clean_again["choices"][0]["text"] == b["choices"][0]["text"]
+
+    (injected,) = events(server["log"], "kv_fault_injected")
+    (corrupted,) = events(server["log"], "kv_block_corrupted")
+    assert corrupted["block_id"] == injected["block_id"]
+    assert corrupted["action"] == "quarantined_and_recomputed" and corrupted["model_name"] == "tiny"
+
+    after = _wait(
+        lambda: (
+            (s := _samples(base))
+            and _value(s, "vllm:kvguard_corruptions_detected_total", kind="checksum_mismatch") >= 1
+            and s
+        ),
+        30,
+        "the corruption counter on /metrics",
+    )
+    assert _value(after, "vllm:kvguard_corruptions_detected_total", kind="checksum_mismatch") == 1
+    assert _value(after, "vllm:kvguard_faults_injected_total", kind="bitflip") == 1
+    assert _value(after, "vllm:kvguard_blocks_quarantined") == 1
+    assert _value(after, "vllm:kvguard_requests_affected_total", outcome="recomputed") == 1
+    assert _value(after, "vllm:kvguard_requests_affected_total", outcome="failed") == 0
+    assert _value(after, "vllm:kvguard_tokens_recomputed_total") >= 32
+    assert _value(after, "vllm:kvguard_blocks_sealed_total") >= 4
+    assert _value(after, "vllm:kvguard_verifications_total", trigger="reuse") >= 4
+    assert _value(after, "vllm:kvguard_bytes_hashed_total", op="seal") > 0
+    assert _value(after, "vllm:kvguard_verification_latency_seconds_count") >= 1
+    assert _value(after, "vllm:kvguard_internal_errors_total") == 0
+
+    def firing() -> list[dict[str, Any]]:
+        alerts = json.loads(_get(prometheus + "/api/v1/alerts"))["data"]["alerts"]
+        return [
+            a
+            for a in alerts
+            if a["labels"]["alertname"] == "KVCacheCorruptionDetected" and a["state"] == "firing"
+        ]
+
+    (alert,) = _wait(firing, 90, "KVCacheCorruptionDetected to fire in Prometheus")
+    assert alert["labels"]["severity"] == "page"
+    assert alert["labels"]["model_name"] == "tiny" and alert["labels"]["engine"] == "0"

@@ -1,0 +1,63 @@
+"""The shipped alert rules and dashboard: promtool's own tests, and series names."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from vllm_kvguard.metrics import SERIES, exported_names
+
+ROOT = Path(__file__).resolve().parents[2]
+PROM = ROOT / "examples" / "prometheus"
+
+
+def _promtool() -> str:
+    path = shutil.which("promtool")
+    assert path, "promtool is required (Debian package 'prometheus'; .ci/run installs it)"
+    return path
+
+
+def test_alert_rules_pass_promtool_unit_tests() -> None:
+    proc = subprocess.run(
+        [_promtool(), "test", "rules", "kvguard-alerts.test.yml"], cwd=PROM, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout
+
+
+def test_alert_rules_and_config_are_valid() -> None:
+    rules = subprocess.run(
+        [_promtool(), "check", "rules", "kvguard-alerts.yml"], cwd=PROM, capture_output=True, text=True
+    )
+    assert rules.returncode == 0 and "4 rules found" in rules.stdout, rules.stdout + rules.stderr
+    config = subprocess.run(
+        [_promtool(), "check", "config", "prometheus.yml"], cwd=PROM, capture_output=True, text=True
+    )
+    assert config.returncode == 0, config.stdout + config.stderr
+
+
+def _guard_names(text: str) -> set[str]:
+    return set(re.findall(r"vllm:kvguard_[a-z_]+", text))
+
+
+def test_rules_reference_only_exported_series() -> None:
+    used = _guard_names((PROM / "kvguard-alerts.yml").read_text())
+    assert used and used <= exported_names(), used - exported_names()
+
+
+def test_dashboard_uses_only_exported_series_and_covers_them() -> None:
+    dash = json.loads((ROOT / "examples" / "grafana" / "kvguard-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = _guard_names(" ".join(exprs))
+    assert used <= exported_names(), used - exported_names()
+    # Every series the guard exports has a panel.
+    for series in SERIES:
+        assert any(name.startswith(series.name) for name in used), series.name
+    # vLLM's dashboard variables, and every query filtered by model.
+    names = {v["name"] for v in dash["templating"]["list"]}
+    assert {"datasource", "model_name"} <= names
+    assert all('model_name="$model_name"' in e for e in exprs)
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in dash["panels"])

@@ -1,0 +1,231 @@
+"""Prometheus metrics: one table of series, two ways out.
+
+The scheduler half of the connector folds every guard event (its own and the
+workers', which arrive in the worker metadata) into a :class:`GuardCounters`
+delta. Once per step vLLM asks for it (``get_kv_connector_stats``) and carries it
+through its KV-connector stats path to the front-end process, where
+:class:`KVGuardPromMetrics` turns it into ``vllm:kvguard_*`` series on the
+``/metrics`` endpoint that ``vllm serve`` already serves. For the ``LLM`` class,
+which has no HTTP server, ``VLLM_KVGUARD_METRICS_PORT`` starts a standalone
+exporter (:class:`StandaloneExporter`) in the engine process with the same series.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0)
+
+
+@dataclass(frozen=True)
+class Series:
+    key: str
+    name: str
+    kind: str  # counter | gauge | histogram
+    doc: str
+    label: str | None = None
+    # Label values created at zero up front: Prometheus' increase() needs a sample
+    # before the first event, or a counter born at 1 never shows an increase.
+    values: tuple[str, ...] = ()
+
+
+SERIES = (
+    Series(
+        "sealed", "vllm:kvguard_blocks_sealed", "counter", "KV blocks sealed (checksummed after the write)."
+    ),
+    Series(
+        "verified",
+        "vllm:kvguard_verifications",
+        "counter",
+        "KV blocks verified against their seal, by trigger (reuse: a prefix-cache hit).",
+        "trigger",
+        ("reuse",),
+    ),
+    Series(
+        "bytes_hashed",
+        "vllm:kvguard_bytes_hashed",
+        "counter",
+        "Bytes of KV pages hashed, by op.",
+        "op",
+        ("seal", "verify"),
+    ),
+    Series(
+        "corruptions",
+        "vllm:kvguard_corruptions_detected",
+        "counter",
+        "Corrupted KV blocks detected, by kind (checksum_mismatch: changed after it was sealed).",
+        "kind",
+        ("checksum_mismatch",),
+    ),
+    Series("quarantined", "vllm:kvguard_blocks_quarantined", "gauge", "KV blocks held out of circulation."),
+    Series(
+        "requests_affected",
+        "vllm:kvguard_requests_affected",
+        "counter",
+        "Requests that read a corrupted block, by outcome (recomputed, failed, logged).",
+        "outcome",
+        ("recomputed", "failed", "logged"),
+    ),
+    Series(
+        "tokens_recomputed",
+        "vllm:kvguard_tokens_recomputed",
+        "counter",
+        "Tokens recomputed after corruption.",
+    ),
+    Series(
+        "verify_seconds",
+        "vllm:kvguard_verification_latency_seconds",
+        "histogram",
+        "Time one worker spent verifying one step's reused blocks.",
+    ),
+    Series(
+        "faults_injected",
+        "vllm:kvguard_faults_injected",
+        "counter",
+        "Fire-drill faults injected, by kind.",
+        "kind",
+    ),
+    Series(
+        "internal_errors", "vllm:kvguard_internal_errors", "counter", "Errors inside the guard (fail-open)."
+    ),
+)
+BY_KEY = {s.key: s for s in SERIES}
+
+
+def exported_names() -> set[str]:
+    """Every sample name the guard exports (counters with ``_total``, histograms' parts)."""
+    out: set[str] = set()
+    for s in SERIES:
+        if s.kind == "counter":
+            out.add(s.name + "_total")
+        elif s.kind == "histogram":
+            out.update(s.name + suffix for suffix in ("_bucket", "_sum", "_count"))
+        else:
+            out.add(s.name)
+    return out
+
+
+@dataclass
+class GuardCounters:
+    """A delta of the guard's series since the last time it was taken.
+
+    Plain dicts only: it travels pickled from workers to the engine process.
+    """
+
+    counts: dict[str, int] = field(default_factory=dict)
+    labelled: dict[str, dict[str, int]] = field(default_factory=dict)
+    observations: dict[str, list[float]] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
+
+    def add(self, key: str, n: int = 1, label: str | None = None) -> None:
+        if label is None:
+            self.counts[key] = self.counts.get(key, 0) + n
+        else:
+            labels = self.labelled.setdefault(key, {})
+            labels[label] = labels.get(label, 0) + n
+
+    def observe(self, key: str, value: float) -> None:
+        self.observations.setdefault(key, []).append(value)
+
+    def set(self, key: str, value: float) -> None:
+        self.gauges[key] = value
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "counts": dict(self.counts),
+            "labelled": {k: dict(v) for k, v in self.labelled.items()},
+            "observations": {k: list(v) for k, v in self.observations.items()},
+            "gauges": dict(self.gauges),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GuardCounters:
+        out = cls()
+        out.absorb(data)
+        return out
+
+    def absorb(self, data: dict[str, Any]) -> None:
+        """Add a delta (as :meth:`to_dict` wrote it) to this one."""
+        for k, v in data.get("counts", {}).items():
+            self.add(k, v)
+        for k, labels in data.get("labelled", {}).items():
+            for label, v in labels.items():
+                self.add(k, v, label)
+        for k, values in data.get("observations", {}).items():
+            self.observations.setdefault(k, []).extend(values)
+        self.gauges.update(data.get("gauges", {}))
+
+    def empty(self) -> bool:
+        return not (
+            any(self.counts.values())
+            or any(any(v.values()) for v in self.labelled.values())
+            or any(self.observations.values())
+            or self.gauges
+        )
+
+
+class Recorder:
+    """Applies deltas to one set of prometheus_client metrics (per engine label values)."""
+
+    def __init__(self, metrics: dict[str, Any], per_engine: dict[int, list[object]]) -> None:
+        self.metrics = metrics
+        self.per_engine = per_engine
+        for values in per_engine.values():
+            for s in SERIES:
+                if s.kind == "histogram":
+                    continue
+                for label in s.values or ((None,) if s.label is None else ()):
+                    metric = metrics[s.key]
+                    metric.labels(*values) if label is None else metric.labels(*values, label)
+
+    def observe(self, data: dict[str, Any], engine_idx: int = 0) -> None:
+        values = self.per_engine.get(engine_idx, self.per_engine.get(0, []))
+        delta = GuardCounters.from_dict(data)
+        for key, n in delta.counts.items():
+            if n and key in self.metrics:
+                self.metrics[key].labels(*values).inc(n)
+        for key, labels in delta.labelled.items():
+            for label, n in labels.items():
+                if n and key in self.metrics:
+                    self.metrics[key].labels(*values, label).inc(n)
+        for key, obs in delta.observations.items():
+            for v in obs:
+                self.metrics[key].labels(*values).observe(v)
+        for key, v in delta.gauges.items():
+            self.metrics[key].labels(*values).set(v)
+
+
+def build_metrics(
+    counter_cls: Any, gauge_cls: Any, histogram_cls: Any, labelnames: list[str], **kw: Any
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for s in SERIES:
+        labels = [*labelnames, s.label] if s.label else list(labelnames)
+        if s.kind == "counter":
+            out[s.key] = counter_cls(name=s.name, documentation=s.doc, labelnames=labels, **kw)
+        elif s.kind == "gauge":
+            out[s.key] = gauge_cls(name=s.name, documentation=s.doc, labelnames=labels, **kw)
+        else:
+            out[s.key] = histogram_cls(
+                name=s.name, documentation=s.doc, labelnames=labels, buckets=LATENCY_BUCKETS, **kw
+            )
+    return out
+
+
+class StandaloneExporter:
+    """The same series on their own HTTP port, for the ``LLM`` class (no API server)."""
+
+    def __init__(self, port: int, model_name: str, engine: str = "0") -> None:
+        self.registry = CollectorRegistry()
+        metrics = build_metrics(Counter, Gauge, Histogram, ["model_name", "engine"], registry=self.registry)
+        self.recorder = Recorder(metrics, {0: [model_name, engine]})
+        self.server, self.thread = start_http_server(port, registry=self.registry)
+
+    def observe(self, data: dict[str, Any]) -> None:
+        self.recorder.observe(data)
+
+    def close(self) -> None:
+        self.server.shutdown()
