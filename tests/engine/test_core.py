@@ -6,6 +6,8 @@ shared by the tests of that mode, in the order the tests are written.
 
 from __future__ import annotations
 
+import socket
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,12 @@ def reference(tiny_model: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def quarantine_engine(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("quarantine") / "guard.jsonl"
-    with engine(tiny_model, guard_env("quarantine", log)) as llm:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = guard_env("quarantine", log, VLLM_KVGUARD_METRICS_PORT=str(port))
+    with engine(tiny_model, env, served_model_name="tiny") as llm:
+        llm.metrics_port = port
         yield llm, log
 
 
@@ -84,6 +91,29 @@ def test_third_pass_after_quarantine_is_still_correct(quarantine_engine) -> None
     del line
 
 
+def test_standalone_exporter_serves_the_guard_series(quarantine_engine) -> None:
+    """The LLM class has no HTTP server: VLLM_KVGUARD_METRICS_PORT exports the same series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    llm, _ = quarantine_engine
+    text = urllib.request.urlopen(f"http://127.0.0.1:{llm.metrics_port}/metrics", timeout=10).read().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    base = (("engine", "0"), ("model_name", "tiny"))
+
+    def value(name: str, *extra: tuple[str, str]) -> float:
+        return samples[(name, tuple(sorted(base + extra)))]
+
+    assert value("vllm:kvguard_corruptions_detected_total", ("kind", "checksum_mismatch")) == 1
+    assert value("vllm:kvguard_blocks_quarantined") == 1
+    assert value("vllm:kvguard_requests_affected_total", ("outcome", "recomputed")) >= 1
+    assert value("vllm:kvguard_blocks_sealed_total") > 0
+    assert value("vllm:kvguard_verifications_total", ("trigger", "reuse")) > 0
+
+
 def test_raise_mode_fails_only_the_readers(tiny_model: str, tmp_path: Path) -> None:
     log = tmp_path / "guard.jsonl"
     with engine(tiny_model, guard_env("raise", log)) as llm:
@@ -122,6 +152,8 @@ def test_log_mode_only_logs(tiny_model: str, tmp_path: Path) -> None:
         assert all(o.outputs[0].finish_reason == "length" for o in outs)
         # Nothing healed it: the corrupted page fed attention (which is why log is not the default).
         assert [o.outputs[0].text for o in outs] != bad.clean
-        (line,) = events(log, "kv_block_corrupted")
-        assert line["action"] == "logged" and line["block_id"] == bad.block_id
+        # Nothing is quarantined, so every read of the page is detected (and logged) again.
+        lines = events(log, "kv_block_corrupted")
+        assert lines
+        assert {(line["action"], line["block_id"]) for line in lines} == {("logged", bad.block_id)}
         assert events(log, "kv_block_quarantined") == []

@@ -66,3 +66,10 @@ def test_injection_needs_the_guard_on() -> None:
 def test_round_trip_through_connector_extra_config() -> None:
     config = load_config({"VLLM_KVGUARD": "1", "VLLM_KVGUARD_MODE": "log"})
     assert KVGuardConfig.from_dict(config.to_dict()) == config
+
+
+def test_metrics_port() -> None:
+    assert load_config({"VLLM_KVGUARD_METRICS_PORT": "9400"}).metrics_port == 9400
+    assert load_config({"VLLM_KVGUARD_METRICS_PORT": ""}).metrics_port is None
+    with pytest.raises(KVGuardConfigError, match="a TCP port number 1-65535"):
+        load_config({"VLLM_KVGUARD_METRICS_PORT": "99999"})
