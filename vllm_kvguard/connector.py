@@ -223,7 +223,9 @@ class KVGuardConnector(KVConnectorBase_V1):
             self.config,
             role="scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
             rank=self.rank,
-            engine=str(self._kv_transfer_config.engine_id or 0),
+            # vLLM's metrics label engines by index; the id ties lines to vLLM's own logs.
+            engine=str(vllm_config.parallel_config.data_parallel_rank or 0),
+            engine_id=str(self._kv_transfer_config.engine_id),
             model_name=str(model),
         )
         groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
@@ -239,7 +241,9 @@ class KVGuardConnector(KVConnectorBase_V1):
             self.counters = GuardCounters()
             self._hit_tokens: dict[int, dict[str, int]] = {}
             self.exporter = (
-                StandaloneExporter(self.config.metrics_port, str(model)) if self.config.metrics_port else None
+                StandaloneExporter(self.config.metrics_port, str(model), engine=self.log.engine)
+                if self.config.metrics_port
+                else None
             )
             self._num_layers = max(1, vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
             _install_scheduler_hook()

@@ -68,6 +68,7 @@ class GuardLog:
         self._std = logging.getLogger(LOGGER_NAME)
         self._level = _LEVELS[config.log_level]
         self._context = {"logger": "vllm_kvguard", "pid": os.getpid(), **context}
+        self.engine = str(context.get("engine", "0"))
         stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
         self._stamp = stamp
         self._json = structlog.processors.JSONRenderer(sort_keys=False)

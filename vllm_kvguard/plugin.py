@@ -24,7 +24,13 @@ MODULE = "vllm_kvguard.connector"
 
 
 def register() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.engine.arg_utils import EngineArgs
+
+    # By name too: vLLM looks connectors up by class name on its stats path under a
+    # MultiConnector, where the module path is not consulted.
+    if CONNECTOR not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR, MODULE, CONNECTOR)
 
     if getattr(EngineArgs.create_engine_config, "_kvguard", False):
         return

@@ -110,3 +110,14 @@ def test_bad_value_stops_vllm_serve(tiny_model: str) -> None:
     )
     # It stopped before any engine process was started.
     assert "EngineCore" not in proc.stderr + proc.stdout
+
+
+def test_connector_is_known_to_vllm_by_name() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from vllm_kvguard.connector import KVGuardConnector
+    from vllm_kvguard.plugin import register
+
+    register()
+    register()  # idempotent: vLLM loads plugins once per process, tests may call it again
+    assert KVConnectorFactory.get_connector_class_by_name("KVGuardConnector") is KVGuardConnector
