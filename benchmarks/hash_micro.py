@@ -58,14 +58,15 @@ def main() -> None:
         k: nbytes / statistics.median(v) / 1e9
         for k, v in [("seal", seal), ("verify", verify), ("raw_xxh3", xxh), ("copy", copy)]
     }
+    mib = nbytes / 2**20
     print(
-        f"pages: {a.blocks} blocks x {a.layers} layers x {page} B = {nbytes / 2**20:.0f} MiB, torch threads {torch.get_num_threads()}"
+        f"pages: {a.blocks} blocks x {a.layers} layers x {page} B = {mib:.0f} MiB, torch threads {torch.get_num_threads()}"
     )
     for k, v in gbps.items():
         print(f"{k:9s} {v:6.2f} GB/s")
-    print(
-        f"seal / raw_xxh3 = {gbps['seal'] / gbps['raw_xxh3']:.3f}; verify / raw_xxh3 = {gbps['verify'] / gbps['raw_xxh3']:.3f}"
-    )
+    seal_ratio = gbps["seal"] / gbps["raw_xxh3"]
+    verify_ratio = gbps["verify"] / gbps["raw_xxh3"]
+    print(f"seal / raw_xxh3 = {seal_ratio:.3f}; verify / raw_xxh3 = {verify_ratio:.3f}")
 
 
 if __name__ == "__main__":
