@@ -59,9 +59,8 @@ def main() -> None:
         for k, v in [("seal", seal), ("verify", verify), ("raw_xxh3", xxh), ("copy", copy)]
     }
     mib = nbytes / 2**20
-    print(
-        f"pages: {a.blocks} blocks x {a.layers} layers x {page} B = {mib:.0f} MiB, torch threads {torch.get_num_threads()}"
-    )
+    threads = torch.get_num_threads()
+    print(f"pages: {a.blocks} blocks x {a.layers} layers x {page} B = {mib:.0f} MiB, torch threads {threads}")
     for k, v in gbps.items():
         print(f"{k:9s} {v:6.2f} GB/s")
     seal_ratio = gbps["seal"] / gbps["raw_xxh3"]
