@@ -19,6 +19,7 @@ back (see docs/design.md for the call order and why each hook was chosen):
 from __future__ import annotations
 
 import functools
+import random
 import time
 import traceback
 from collections import defaultdict
@@ -161,16 +162,17 @@ def _fail_open(default: Callable[[Any], T]) -> Callable[[Callable[..., T]], Call
                 return fn(self, *args, **kwargs)
             except Exception as exc:
                 self.internal_errors += 1
-                if self.role == KVConnectorRole.SCHEDULER:
-                    self.counters.add("internal_errors")
                 self.log.event(
                     "kvguard_internal_error",
                     InternalError(fn.__name__, repr(exc), self.internal_errors),
                     level="error",
                     traceback=traceback.format_exc(),
                 )
-                if self._pending_worker_meta is not None:
-                    self._pending_worker_meta.internal_errors.append(f"{fn.__name__}: {exc!r}")
+                if self.role == KVConnectorRole.SCHEDULER:
+                    self.counters.add("internal_errors")
+                else:
+                    # Forwarded so that the scheduler counts it with the rest.
+                    self._worker_meta().internal_errors.append(f"{fn.__name__}: {exc!r}")
                 return default(self)
 
         return hook
@@ -377,8 +379,6 @@ class KVGuardConnector(KVConnectorBase_V1):
     def _inject(self, injection: Injection) -> bool:
         """Corrupt one page as ordered; return whether its bytes changed."""
         assert self.pages is not None and self.table is not None
-        import random
-
         layer = injection.layer % self.pages.num_layers
         block = injection.block_id
         page = self.pages.page(block, layer)

@@ -38,3 +38,12 @@ def seal_snapshot(_worker: Any = None) -> dict[int, int]:
     table = _guard().table
     blocks = np.flatnonzero(table.sealed)
     return dict(zip(blocks.tolist(), table.digests[blocks, 0].tolist(), strict=True))
+
+
+def break_hashing(_worker: Any = None) -> None:
+    """Make every page hash in this worker raise: a stand-in for a bug in the guard."""
+
+    def broken(block_ids: Any) -> Any:
+        raise RuntimeError("injected guard bug (vllm_kvguard.testing.break_hashing)")
+
+    _guard().pages.digest = broken

@@ -114,6 +114,25 @@ def test_standalone_exporter_serves_the_guard_series(quarantine_engine) -> None:
     assert value("vllm:kvguard_verifications_total", ("trigger", "reuse")) > 0
 
 
+def test_internal_error_is_logged_counted_and_serving_continues(quarantine_engine) -> None:
+    llm, log = quarantine_engine
+    from vllm_kvguard import testing
+
+    clean = [o.outputs[0].text for o in llm.generate(prompts_b(), greedy(16), use_tqdm=False)]
+    llm.collective_rpc(testing.break_hashing)
+    outs = llm.generate([*prompts_b(), "w7 " * 40], greedy(16), use_tqdm=False)
+    assert [o.outputs[0].text for o in outs[:2]] == clean
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    errors = events(log, "kvguard_internal_error")
+    assert errors and all(e["level"] == "error" and "injected guard bug" in e["traceback"] for e in errors)
+    assert {e["role"] for e in errors} == {"worker"}
+    forwarded = events(log, "kvguard_worker_internal_error")
+    assert forwarded and forwarded[0]["role"] == "scheduler"
+    text = urllib.request.urlopen(f"http://127.0.0.1:{llm.metrics_port}/metrics", timeout=10).read().decode()
+    line = next(x for x in text.splitlines() if x.startswith("vllm:kvguard_internal_errors_total"))
+    assert float(line.rsplit(" ", 1)[1]) >= 1
+
+
 def test_raise_mode_fails_only_the_readers(tiny_model: str, tmp_path: Path) -> None:
     log = tmp_path / "guard.jsonl"
     with engine(tiny_model, guard_env("raise", log)) as llm:
