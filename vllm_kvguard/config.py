@@ -30,6 +30,14 @@ class Mode(StrEnum):
     LOG = "log"
 
 
+class VerifyPolicy(StrEnum):
+    """Which sealed pages are verified, besides every prefix-cache hit."""
+
+    REUSE = "reuse"  # only prefix-cache hits, before the forward that reads them
+    SAMPLED = "sampled"  # plus pages running requests read, round-robin within a byte budget
+    PARANOID = "paranoid"  # plus every sealed page every step's attention reads
+
+
 class HashAlgorithm(StrEnum):
     XXH3_64 = "xxh3_64"
     XXH64 = "xxh64"
@@ -47,6 +55,8 @@ class KVGuardConfig:
 
     enabled: bool = False
     mode: Mode = Mode.QUARANTINE
+    verify: VerifyPolicy = VerifyPolicy.SAMPLED
+    verify_budget_bytes: int = 4 << 20
     hash: HashAlgorithm = HashAlgorithm.XXH3_64
     quarantine_max_fraction: float = 0.02
     log_format: LogFormat = LogFormat.AUTO
@@ -62,7 +72,8 @@ class KVGuardConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> KVGuardConfig:
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in data.items() if k in known}
-        for name, enum in (("mode", Mode), ("hash", HashAlgorithm), ("log_format", LogFormat)):
+        enums = (("mode", Mode), ("verify", VerifyPolicy), ("hash", HashAlgorithm), ("log_format", LogFormat))
+        for name, enum in enums:
             if name in kw:
                 kw[name] = enum(kw[name])
         return cls(**kw)
@@ -96,6 +107,28 @@ def _fraction(var: str, raw: str) -> float:
     return value
 
 
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "kb": 1 << 10,
+    "k": 1 << 10,
+    "mib": 1 << 20,
+    "mb": 1 << 20,
+    "m": 1 << 20,
+}
+_UNITS |= {"gib": 1 << 30, "gb": 1 << 30, "g": 1 << 30}
+
+
+def _bytes(var: str, raw: str) -> int:
+    text = raw.strip().lower()
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number) :].strip()
+    if not number.strip().isdigit() or unit not in _UNITS or int(number) * _UNITS[unit] < 1:
+        raise KVGuardConfigError(var, raw, "a positive size in bytes, e.g. 4194304, 512KiB or 4MiB")
+    return int(number) * _UNITS[unit]
+
+
 def _log_level(var: str, raw: str) -> str:
     levels = ("DEBUG", "INFO", "WARNING", "ERROR")
     value = raw.strip().upper()
@@ -127,6 +160,8 @@ def _inject(var: str, raw: str) -> str | None:
 _VARIABLES = {
     "": ("enabled", _switch),
     "_MODE": ("mode", lambda var, raw: _choice(var, raw, Mode)),
+    "_VERIFY": ("verify", lambda var, raw: _choice(var, raw, VerifyPolicy)),
+    "_VERIFY_BUDGET": ("verify_budget_bytes", _bytes),
     "_HASH": ("hash", lambda var, raw: _choice(var, raw, HashAlgorithm)),
     "_QUARANTINE_MAX_FRACTION": ("quarantine_max_fraction", _fraction),
     "_LOG_FORMAT": ("log_format", lambda var, raw: _choice(var, raw, LogFormat)),

@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from vllm_kvguard.config import KVGuardConfig, Mode, load_config
+from vllm_kvguard.config import KVGuardConfig, Mode, VerifyPolicy, load_config
 from vllm_kvguard.digest import DigestTable, KVPages
 from vllm_kvguard.errors import KVCacheCorruptionError
 from vllm_kvguard.events import (
@@ -77,6 +77,8 @@ class KVGuardMetadata(KVConnectorMetadata):
     forget: list[int] = field(default_factory=list)
     verify: list[int] = field(default_factory=list)
     readers: dict[int, list[str]] = field(default_factory=dict)
+    read_verify: list[int] = field(default_factory=list)
+    read_trigger: str = ""
     inject: list[Injection] = field(default_factory=list)
 
 
@@ -240,6 +242,18 @@ class KVGuardConnector(KVConnectorBase_V1):
             fraction = self.config.quarantine_max_fraction
             self.quarantine_limit = max(1, int(fraction * num_blocks)) if fraction > 0 else 0
             self.corruption_messages: dict[str, str] = {}
+            bytes_per_block = (
+                sum(t.size for t in kv_cache_config.kv_cache_tensors) // max(1, num_blocks)
+                if kv_cache_config is not None
+                else 0
+            )
+            # Pages of running requests to verify per step: 0 none, None all.
+            self.read_budget: int | None = {
+                VerifyPolicy.REUSE: 0,
+                VerifyPolicy.PARANOID: None,
+                VerifyPolicy.SAMPLED: max(1, self.config.verify_budget_bytes // max(1, bytes_per_block)),
+            }[self.config.verify]
+            self._step_readers: dict[int, list[str]] = {}
             self.counters = GuardCounters()
             self._hit_tokens: dict[int, dict[str, int]] = {}
             self.exporter = (
@@ -258,6 +272,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                         "num_blocks": num_blocks,
                         "block_size": self.block_size,
                         "kv_load_failure_policy": self._kv_transfer_config.kv_load_failure_policy,
+                        "read_pages_per_step": "all" if self.read_budget is None else self.read_budget,
                         "active": self.active,
                         "kv_cache_groups": groups,
                     },
@@ -279,6 +294,8 @@ class KVGuardConnector(KVConnectorBase_V1):
             self.table: DigestTable | None = None
             self._invalid: set[int] = set()
             self.worker_counters = GuardCounters()
+            self._layer_index: dict[str, int] = {}
+            self._reads_left: set[int] = set()
             self._num_blocks = num_blocks
 
     # ------------------------------------------------------------------ worker
@@ -291,6 +308,12 @@ class KVGuardConnector(KVConnectorBase_V1):
         # (2, num_blocks, ...) GPU layouts.
         block_dim = next((d for d, n in enumerate(first.shape) if n == self._num_blocks and d < 2), 0)
         self.pages = KVPages(kv_caches, block_dim=block_dim, algorithm=self.config.hash)
+        by_storage = {t.data_ptr(): i for i, t in enumerate(self.pages.tensors)}
+        self._layer_index = {
+            name: by_storage[t.movedim(block_dim, 0).data_ptr()]
+            for name, t in kv_caches.items()
+            if t.movedim(block_dim, 0).data_ptr() in by_storage
+        }
         self.table = DigestTable(self.pages.num_blocks, self.pages.num_layers)
         self.log.event(
             "kvguard_started",
@@ -317,6 +340,12 @@ class KVGuardConnector(KVConnectorBase_V1):
         self.table.forget(meta.forget)
         if meta.verify:
             self._verify(meta)
+        self._reads_left = set()
+        if meta.read_verify:
+            assert self.pages is not None
+            self._reads_left = set(range(self.pages.num_layers))
+            read = len(self.table.sealed_only(meta.read_verify))
+            self.worker_counters.add("verified", read, label=meta.read_trigger)
 
     def _verify(self, meta: KVGuardMetadata) -> None:
         assert self.pages is not None and self.table is not None
@@ -337,6 +366,8 @@ class KVGuardConnector(KVConnectorBase_V1):
                     m.expected,
                     m.actual,
                     tuple(meta.readers.get(m.block_id, ())),
+                    "reuse",
+                    meta.step,
                 )
             )
         if mismatches and self.config.mode != Mode.LOG:
@@ -353,8 +384,40 @@ class KVGuardConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return
 
+    @_fail_open(lambda self: None)
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        # Called per attention layer after this step's KV write and before attention
+        # reads the cache: verify the sealed pages the step reads, for this layer.
+        if not self._reads_left:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is not None and layer in self._reads_left:
+            self._reads_left.discard(layer)
+            self._verify_reads([layer])
+
+    def _verify_reads(self, layers: list[int]) -> None:
+        assert self.pages is not None and self.table is not None
+        meta = self._connector_metadata
+        assert isinstance(meta, KVGuardMetadata)
+        start = time.perf_counter()
+        blocks = self.table.sealed_only(meta.read_verify)
+        bad: set[int] = set()
+        for layer in layers:
+            actual = self.pages.digest_layer(layer, blocks)
+            for m in self.table.compare_layer(blocks, layer, actual, self.pages.names[layer]):
+                bad.add(m.block_id)
+                self._worker_meta().detections.append(
+                    Detection(
+                        self.rank, m.block_id, m.layer, m.expected, m.actual, (), meta.read_trigger, meta.step
+                    )
+                )
+        self.worker_counters.add(
+            "bytes_hashed", sum(self.pages.page_bytes[i] for i in layers) * len(blocks), label="verify"
+        )
+        self.worker_counters.observe("verify_seconds", time.perf_counter() - start)
+        if bad and self.config.mode != Mode.LOG:
+            self._invalid |= bad
+            self.table.forget(sorted(bad))
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -366,6 +429,10 @@ class KVGuardConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if self.table is None or self.pages is None or not isinstance(meta, KVGuardMetadata):
             return
+        if self._reads_left:
+            # Layers whose attention hook did not run (it is skipped without attention metadata).
+            self._verify_reads(sorted(self._reads_left))
+            self._reads_left = set()
         # After the forward: the pages whose last slot was written this step are final.
         if meta.seal:
             self.table.seal(meta.seal, self.pages.digest(meta.seal))
@@ -431,8 +498,13 @@ class KVGuardConnector(KVConnectorBase_V1):
         if not self.active:
             return KVGuardMetadata(step=self.ledger.step)
         requests = self._scheduled(so)
-        plan = self.ledger.plan(requests)
+        plan = self.ledger.plan(requests, self.read_budget)
         meta = KVGuardMetadata(plan.step, plan.seal, plan.forget, plan.verify, plan.readers)
+        if plan.read_verify:
+            meta.read_verify = plan.read_verify
+            meta.read_trigger = str(self.config.verify)
+            self._step_readers[plan.step] = [r.req_id for r in requests if not r.fresh]
+            self._step_readers.pop(plan.step - 3, None)
         self.counters.add("sealed", len(plan.seal))
         if plan.verify:
             bs = self.block_size
@@ -534,7 +606,9 @@ class KVGuardConnector(KVConnectorBase_V1):
 
     def _handle_corruption(self, block: int, detections: list[Detection]) -> None:
         first = detections[0]
-        readers = tuple(sorted({r for d in detections for r in d.readers}))
+        readers = tuple(
+            sorted({r for d in detections for r in d.readers} | self._running_readers(block, detections))
+        )
         mode = self.config.mode
         self.counters.add("corruptions", label="checksum_mismatch")
         if mode == Mode.LOG:
@@ -558,6 +632,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                 action=action,
                 generation=int(self.ledger.generation[block]),
                 step=self.ledger.step,
+                trigger=first.trigger,
             ),
             level="error",
         )
@@ -608,6 +683,23 @@ class KVGuardConnector(KVConnectorBase_V1):
 
     def take_corruption_message(self, req_id: str) -> str | None:
         return self.corruption_messages.pop(req_id, None)
+
+    def _running_readers(self, block: int, detections: list[Detection]) -> set[str]:
+        """Running requests whose block table holds ``block`` (for read-time detections)."""
+        manager = self._kv_cache_manager
+        out: set[str] = set()
+        if manager is None:
+            return out
+        for d in detections:
+            if d.trigger == "reuse":
+                continue
+            for req_id in self._step_readers.get(d.step, ()):
+                try:
+                    if block in manager.get_block_ids(req_id)[0]:
+                        out.add(req_id)
+                except (KeyError, AssertionError):
+                    continue
+        return out
 
     def _tokens_to_recompute(self, req_id: str, block: int) -> int:
         hits = next((h[req_id] for h in reversed(self._hit_tokens.values()) if req_id in h), 0)

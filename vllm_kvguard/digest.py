@@ -131,6 +131,10 @@ class KVPages:
             out[:, layer] = self._digest_layer(layer, block_ids)
         return out
 
+    def digest_layer(self, layer: int, block_ids: Sequence[int]) -> np.ndarray:
+        """Digests of the given blocks for one layer, shape (len(block_ids),), uint64."""
+        return np.asarray(self._digest_layer(layer, block_ids) if len(block_ids) else [], dtype=np.uint64)
+
     def _digest_layer(self, layer: int, block_ids: Sequence[int]) -> list[int]:
         runs = self._runs[layer]
         if not self.on_host:
@@ -180,6 +184,18 @@ class DigestTable:
             return []
         ids = np.asarray(block_ids, dtype=np.int64)
         return ids[self.sealed[ids]].tolist()
+
+    def compare_layer(
+        self, block_ids: Sequence[int], layer: int, actual: np.ndarray, name: str
+    ) -> list[PageMismatch]:
+        """Like :meth:`compare`, for one layer's digests."""
+        if not len(block_ids):
+            return []
+        expected = self.digests[block_ids, layer]
+        rows = np.flatnonzero(expected != actual)
+        return [
+            PageMismatch(int(block_ids[r]), name, int(expected[r]), int(actual[r])) for r in rows.tolist()
+        ]
 
     def compare(
         self, block_ids: Sequence[int], actual: np.ndarray, names: Sequence[str]

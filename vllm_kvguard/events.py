@@ -22,6 +22,8 @@ class Detection:
     expected: int
     actual: int
     readers: tuple[str, ...] = ()
+    trigger: str = "reuse"  # reuse | sampled | paranoid
+    step: int = 0
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class BlockCorrupted:
     action: Action
     generation: int
     step: int
+    trigger: str = "reuse"
 
 
 @dataclass(frozen=True)

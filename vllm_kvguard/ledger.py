@@ -57,10 +57,11 @@ class StepPlan:
     forget: list[int] = field(default_factory=list)
     verify: list[int] = field(default_factory=list)
     readers: dict[int, list[str]] = field(default_factory=dict)
+    read_verify: list[int] = field(default_factory=list)
     unverified_hits: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.seal or self.forget or self.verify)
+        return bool(self.seal or self.forget or self.verify or self.read_verify)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class BlockLedger:
         self.generation = np.zeros(num_blocks, dtype=np.uint32)
         self.step = 0
         self.violations: list[LifecycleViolation] = []
+        self._read_cursor = 0
+        self._read_window: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -87,7 +90,10 @@ class BlockLedger:
     def quarantined(self) -> int:
         return int(np.count_nonzero(self.state == BlockState.QUARANTINED))
 
-    def plan(self, requests: Iterable[ScheduledRequest]) -> StepPlan:
+    def plan(self, requests: Iterable[ScheduledRequest], read_budget: int | None = 0) -> StepPlan:
+        """Plan one step. ``read_budget``: how many pages that running requests read this
+        step to verify as well (0: none; None: all of them, the paranoid policy)."""
+        requests = list(requests)
         self.step += 1
         plan = StepPlan(self.step)
         bs = self.block_size
@@ -134,7 +140,45 @@ class BlockLedger:
                         state[block] = BlockState.SEALED
                         self.generation[block] += 1
                         plan.seal.append(block)
+        if read_budget != 0:
+            running = [r for r in requests if not r.fresh and r.num_computed >= bs]
+            plan.read_verify = self._reads(running, read_budget)
         return plan
+
+    def _reads(self, running: list[ScheduledRequest], budget: int | None) -> list[int]:
+        """Sealed pages this step's attention reads, all of them or a rotating sample.
+
+        Sampling rotates over requests and, inside a request longer than the budget,
+        over its pages, so a page read on every step is verified at least once every
+        ceil(pages read per step / budget) steps.
+        """
+        bs = self.block_size
+        chosen: list[int] = []
+        if not running:
+            return chosen
+        count = len(running)
+        start = self._read_cursor % count
+        left = budget
+        for i in range(count):
+            req = running[(start + i) % count]
+            table = list(req.block_ids()[: req.num_computed // bs])
+            if left is not None and len(table) > left:
+                offset = self._read_window.get(req.req_id, 0) % len(table)
+                table = (table[offset:] + table[:offset])[:left]
+                self._read_window[req.req_id] = offset + left
+            chosen.extend(table)
+            if left is not None:
+                left -= len(table)
+                if left <= 0:
+                    self._read_cursor = start + i + 1
+                    break
+        else:
+            self._read_cursor = start + 1
+        if len(self._read_window) > 4 * count + 64:
+            live = {r.req_id for r in running}
+            self._read_window = {k: v for k, v in self._read_window.items() if k in live}
+        state = self.state
+        return [b for b in dict.fromkeys(chosen) if state[b] == BlockState.SEALED]
 
     def quarantine(self, block_ids: Iterable[int]) -> list[int]:
         """Mark blocks quarantined; return those that were not already."""

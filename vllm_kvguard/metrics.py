@@ -40,9 +40,10 @@ SERIES = (
         "verified",
         "vllm:kvguard_verifications",
         "counter",
-        "KV blocks verified against their seal, by trigger (reuse: a prefix-cache hit).",
+        "KV blocks verified against their seal, by trigger (reuse: a prefix-cache hit; sampled, "
+        "paranoid: pages running requests read).",
         "trigger",
-        ("reuse",),
+        ("reuse", "sampled", "paranoid"),
     ),
     Series(
         "bytes_hashed",

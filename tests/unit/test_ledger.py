@@ -99,3 +99,38 @@ def test_block_table_is_not_fetched_for_plain_decode_steps() -> None:
 
     ledger.plan([ScheduledRequest("a", 5, 1, False, [], table)])
     assert calls == []
+
+
+def _running_ledger():
+    ledger = BlockLedger(32, BS)
+    ledger.plan([req("a", 0, 12, True, [1, 2, 3], [1, 2, 3]), req("b", 0, 8, True, [4, 5], [4, 5])])
+    running = [req("a", 12, 1, False, [], [1, 2, 3, 6]), req("b", 8, 1, False, [], [4, 5, 7])]
+    return ledger, running
+
+
+def test_reuse_policy_verifies_no_reads() -> None:
+    ledger, running = _running_ledger()
+    assert ledger.plan(running, read_budget=0).read_verify == []
+
+
+def test_paranoid_verifies_every_page_read() -> None:
+    ledger, running = _running_ledger()
+    assert ledger.plan(running, read_budget=None).read_verify == [1, 2, 3, 4, 5]
+
+
+def test_sampled_covers_every_page_within_the_bound() -> None:
+    ledger, running = _running_ledger()
+    budget = 2
+    seen: list[int] = []
+    steps = -(-5 // budget)  # ceil(pages read per step / budget)
+    for _ in range(steps + 1):
+        plan = ledger.plan(running, read_budget=budget)
+        assert len(plan.read_verify) <= budget
+        seen.extend(plan.read_verify)
+    assert set(seen) == {1, 2, 3, 4, 5}
+
+
+def test_reads_skip_unsealed_and_quarantined_pages() -> None:
+    ledger, running = _running_ledger()
+    ledger.quarantine([2])
+    assert ledger.plan(running, read_budget=None).read_verify == [1, 3, 4, 5]

@@ -1,0 +1,87 @@
+"""Read-time verification: a page of a *running* request corrupted mid-decode.
+
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
+the test drives it one scheduler step at a time and corrupts a page between two
+decode steps, while the request that owns the page is running.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.engine.harness import engine, events, guard_env, words
+from vllm_kvguard import testing
+
+pytestmark = pytest.mark.engine
+PROMPT = words(17, 128) + " w300 w301"  # 4 full blocks of 32, then 2 tokens
+
+
+def _greedy(n: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n)
+
+
+def _run_with_mid_decode_flip(llm, log: Path) -> tuple[str, str | None, int | None, list[dict], int]:
+    """Return (reference text, corrupted run's text, steps to detection, detections, bad block)."""
+    before = llm.collective_rpc(testing.seal_snapshot)[0]
+    llm.generate([PROMPT], _greedy(1), use_tqdm=False)
+    after = llm.collective_rpc(testing.seal_snapshot)[0]
+    prompt_blocks = sorted(b for b, d in after.items() if before.get(b) != d)
+    assert len(prompt_blocks) == 4
+    reference = llm.generate([PROMPT], _greedy(24), use_tqdm=False)[0].outputs[0].text
+
+    core = llm.llm_engine
+    core.add_request("mid-decode", PROMPT, _greedy(24))
+    for _ in range(4):  # prefill (prompt pages hit the cache, verified on reuse) + 3 decode steps
+        core.step()
+    assert events(log, "kv_block_corrupted") == []
+    llm.collective_rpc(testing.flip_bit, args=(prompt_blocks[2], 1, 1, 6))
+    steps, text, detected_at = 0, None, None
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                text = out.outputs[0].text
+        steps += 1
+        if detected_at is None and events(log, "kv_block_corrupted"):
+            detected_at = steps
+    return reference, text, detected_at, events(log, "kv_block_corrupted"), prompt_blocks[2]
+
+
+@pytest.mark.parametrize(
+    ("policy", "budget", "bound"),
+    [
+        ("paranoid", None, 1),
+        # One page (2 layers x 16 KiB) per step, 4 pages read: caught within 4 steps.
+        ("sampled", "32KiB", 4),
+    ],
+)
+def test_running_request_page_corrupted_mid_decode(
+    tiny_model: str, tmp_path: Path, policy: str, budget: str | None, bound: int
+) -> None:
+    log = tmp_path / "guard.jsonl"
+    extra = {"VLLM_KVGUARD_VERIFY": policy, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if budget:
+        extra["VLLM_KVGUARD_VERIFY_BUDGET"] = budget
+    with engine(tiny_model, guard_env("quarantine", log, **extra), num_gpu_blocks_override=64) as llm:
+        reference, text, detected_at, lines, block = _run_with_mid_decode_flip(llm, log)
+    (line,) = lines
+    assert line["block_id"] == block
+    assert text == reference
+    assert detected_at is not None and 1 <= detected_at <= bound, detected_at
+    assert line["trigger"] == policy
+    assert line["layer"].startswith("model.layers.1.")
+    assert line["action"] == "quarantined_and_recomputed"
+    assert [r.rsplit("-", 1)[0] for r in line["request_ids"]] == ["mid-decode"]
+
+
+def test_reuse_only_policy_misses_the_running_page(tiny_model: str, tmp_path: Path) -> None:
+    """The control: with VLLM_KVGUARD_VERIFY=reuse nothing checks pages being decoded."""
+    log = tmp_path / "guard.jsonl"
+    extra = {"VLLM_KVGUARD_VERIFY": "reuse", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    with engine(tiny_model, guard_env("quarantine", log, **extra), num_gpu_blocks_override=64) as llm:
+        _, text, detected_at, lines, _ = _run_with_mid_decode_flip(llm, log)
+    assert text is not None
+    assert detected_at is None and lines == []
