@@ -55,7 +55,48 @@ def parser() -> argparse.ArgumentParser:
     )
     drill.add_argument("--json", action="store_true", help="print the report as JSON")
     sub.add_parser("config", help="print the effective configuration from the environment, validated")
+    bench = sub.add_parser(
+        "bench",
+        help="measure what the guard costs: plain vLLM vs guard (default, paranoid), interleaved",
+        description="Runs the same prefix-sharing workload through vLLM with the guard off, default and "
+        "paranoid, each run in its own engine process, interleaved; prints medians and ratios to off.",
+    )
+    bench.add_argument(
+        "--model", help="model directory (default: build a 4-layer random-weight Llama, offline)"
+    )
+    bench.add_argument(
+        "--repeats", type=_positive("--repeats"), default=3, help="interleaved repetitions (default 3)"
+    )
+    bench.add_argument(
+        "--configs",
+        type=_configs,
+        default=["off", "default", "paranoid"],
+        help="comma list of off, default, paranoid (default: all three)",
+    )
+    bench.add_argument("--workdir", type=Path, help="where to keep the model, run logs and results")
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
     return top
+
+
+def _positive(flag: str):
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{flag}={text!r} is not valid: expected an integer >= 1")
+        return int(text)
+
+    return parse
+
+
+def _configs(text: str) -> list[str]:
+    from vllm_kvguard.bench import CONFIGS
+
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONFIGS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"--configs={text!r} is not valid: expected a comma list of {', '.join(CONFIGS)}"
+        )
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +108,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvguard: {exc}", file=sys.stderr)
             return 2
         print(json.dumps({"variables": variable_names(), "effective": config.to_dict()}, indent=2))
+        return 0
+    if args.command == "bench":
+        from vllm_kvguard import bench
+
+        try:
+            result = bench.run_bench(
+                model=args.model, repeats=args.repeats, configs=args.configs, workdir=args.workdir
+            )
+        except RuntimeError as exc:
+            print(f"kvguard bench: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(result, indent=2) if args.json else bench.render(result))
         return 0
     from vllm_kvguard.drill import render, run_drill
 

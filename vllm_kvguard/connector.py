@@ -160,6 +160,7 @@ def _fail_open(default: Callable[[Any], T]) -> Callable[[Callable[..., T]], Call
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         @functools.wraps(fn)
         def hook(self: KVGuardConnector, *args: Any, **kwargs: Any) -> T:
+            start = time.perf_counter()
             try:
                 return fn(self, *args, **kwargs)
             except Exception as exc:
@@ -176,6 +177,8 @@ def _fail_open(default: Callable[[Any], T]) -> Callable[[Callable[..., T]], Call
                     # Forwarded so that the scheduler counts it with the rest.
                     self._worker_meta().internal_errors.append(f"{fn.__name__}: {exc!r}")
                 return default(self)
+            finally:
+                self.hook_seconds += time.perf_counter() - start
 
         return hook
 
@@ -216,6 +219,9 @@ class KVGuardConnector(KVConnectorBase_V1):
         )
         self.block_size = vllm_config.cache_config.block_size
         self.internal_errors = 0
+        # Time spent inside the guard's hooks (its own cost), and the worker's step time.
+        self.hook_seconds = 0.0
+        self._step_start: float | None = None
         self._pending_worker_meta: KVGuardWorkerMetadata | None = None
         model = getattr(vllm_config.model_config, "served_model_name", None) or getattr(
             vllm_config.model_config, "model", "?"
@@ -332,6 +338,7 @@ class KVGuardConnector(KVConnectorBase_V1):
 
     @_fail_open(lambda self: None)
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        self._step_start = time.perf_counter()
         super().bind_connector_metadata(connector_metadata)
         meta = connector_metadata
         if self.table is None or not isinstance(meta, KVGuardMetadata):
@@ -471,6 +478,10 @@ class KVGuardConnector(KVConnectorBase_V1):
         return bad
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._step_start is not None:
+            self.worker_counters.add("step_seconds", time.perf_counter() - self._step_start)
+            self.worker_counters.add("guard_seconds", self.hook_seconds, label="worker")
+            self.hook_seconds, self._step_start = 0.0, None
         if not self.worker_counters.empty():
             self._worker_meta().counters = self.worker_counters.to_dict()
             self.worker_counters = GuardCounters()
@@ -712,6 +723,8 @@ class KVGuardConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.role != KVConnectorRole.SCHEDULER or self.counters.empty():
             return None
+        self.counters.add("guard_seconds", self.hook_seconds, label="scheduler")
+        self.hook_seconds = 0.0
         delta, self.counters = self.counters.to_dict(), GuardCounters()
         if self.exporter is not None:
             self.exporter.observe(delta)

@@ -193,7 +193,7 @@ def _child(args: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- parent side
 
 
-def _engine_env(extra: dict[str, str]) -> dict[str, str]:
+def engine_env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_KVGUARD")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -202,7 +202,7 @@ def _engine_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-class _Progress:
+class Progress:
     """One status line that ticks while a long step runs (plain lines when not a TTY)."""
 
     def __init__(self, stream: TextIO) -> None:
@@ -261,7 +261,7 @@ def run_drill(
     parse_fault_spec(spec, variable="--inject")
     work = Path(workdir or tempfile.mkdtemp(prefix="kvguard-drill-"))
     work.mkdir(parents=True, exist_ok=True)
-    show = _Progress(progress)
+    show = Progress(progress)
     if model is None:
         from vllm_kvguard.tinymodel import build_tiny_model
 
@@ -276,12 +276,12 @@ def run_drill(
     reference = show.run(
         "[2/3] clean run (plain vLLM, guard off)",
         lambda: _run_child(
-            {**base, "out": str(work / "reference.json")}, _engine_env({}), work / "reference.log"
+            {**base, "out": str(work / "reference.json")}, engine_env({}), work / "reference.log"
         ),
     )
     guard_log = work / "kvguard.jsonl"
     guard_log.unlink(missing_ok=True)
-    env = _engine_env(
+    env = engine_env(
         {
             "VLLM_KVGUARD": "1",
             "VLLM_KVGUARD_MODE": str(mode),

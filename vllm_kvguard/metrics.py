@@ -88,9 +88,25 @@ SERIES = (
         "counter",
         "Fire-drill faults injected, by kind.",
         "kind",
+        ("bitflip", "overwrite", "zero", "nan"),
     ),
     Series(
         "internal_errors", "vllm:kvguard_internal_errors", "counter", "Errors inside the guard (fail-open)."
+    ),
+    Series(
+        "guard_seconds",
+        "vllm:kvguard_overhead_seconds",
+        "counter",
+        "Time spent inside the guard's hooks, by side (scheduler; worker, summed over workers).",
+        "side",
+        ("scheduler", "worker"),
+    ),
+    Series(
+        "step_seconds",
+        "vllm:kvguard_worker_step_seconds",
+        "counter",
+        "Worker step time from the guard's first to last hook, summed over workers: the denominator "
+        "of the guard's overhead share.",
     ),
 )
 BY_KEY = {s.key: s for s in SERIES}
@@ -116,12 +132,12 @@ class GuardCounters:
     Plain dicts only: it travels pickled from workers to the engine process.
     """
 
-    counts: dict[str, int] = field(default_factory=dict)
-    labelled: dict[str, dict[str, int]] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
+    labelled: dict[str, dict[str, float]] = field(default_factory=dict)
     observations: dict[str, list[float]] = field(default_factory=dict)
     gauges: dict[str, float] = field(default_factory=dict)
 
-    def add(self, key: str, n: int = 1, label: str | None = None) -> None:
+    def add(self, key: str, n: float = 1, label: str | None = None) -> None:
         if label is None:
             self.counts[key] = self.counts.get(key, 0) + n
         else:

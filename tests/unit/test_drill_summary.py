@@ -34,3 +34,31 @@ def test_clean_summary_passes() -> None:
     report = summarize([], ["a"], ["a"], mode="log", spec="zero")
     assert report.ok and report.by_kind["zero"].injected == 0
     assert "PASS" in render(report)
+
+
+def test_bench_summary_medians_and_ratios() -> None:
+    from vllm_kvguard.bench import render, summarize
+
+    def run(tps, ttft, itl, share):
+        return {
+            "tokens_per_s": tps,
+            "output_tokens_per_s": tps / 2,
+            "ttft_s": ttft,
+            "itl_s": itl,
+            "guard_share": share,
+        }
+
+    report = summarize(
+        {
+            "off": [run(100, 0.2, 0.01, None), run(110, 0.1, 0.02, None), run(90, 0.3, 0.03, None)],
+            "default": [run(99, 0.2, 0.01, 0.005), run(101, 0.2, 0.02, 0.007), run(200, 0.2, 0.02, 0.006)],
+        },
+        model="m",
+        repeats=3,
+    )
+    assert report["medians"]["off"]["tokens_per_s"] == 100
+    assert report["ratio_to_off"]["default"]["tokens_per_s"] == 1.01
+    assert report["medians"]["default"]["guard_share"] == 0.006
+    assert report["medians"]["off"]["guard_share"] is None
+    text = render(report)
+    assert "default" in text and "1.010" in text and "0.60 %" in text
