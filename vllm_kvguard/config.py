@@ -56,7 +56,7 @@ class KVGuardConfig:
     enabled: bool = False
     mode: Mode = Mode.QUARANTINE
     verify: VerifyPolicy = VerifyPolicy.SAMPLED
-    verify_budget_bytes: int = 4 << 20
+    verify_budget_bytes: int = 256 << 10
     hash: HashAlgorithm = HashAlgorithm.XXH3_64
     quarantine_max_fraction: float = 0.02
     log_format: LogFormat = LogFormat.AUTO

@@ -185,18 +185,6 @@ class DigestTable:
         ids = np.asarray(block_ids, dtype=np.int64)
         return ids[self.sealed[ids]].tolist()
 
-    def compare_layer(
-        self, block_ids: Sequence[int], layer: int, actual: np.ndarray, name: str
-    ) -> list[PageMismatch]:
-        """Like :meth:`compare`, for one layer's digests."""
-        if not len(block_ids):
-            return []
-        expected = self.digests[block_ids, layer]
-        rows = np.flatnonzero(expected != actual)
-        return [
-            PageMismatch(int(block_ids[r]), name, int(expected[r]), int(actual[r])) for r in rows.tolist()
-        ]
-
     def compare(
         self, block_ids: Sequence[int], actual: np.ndarray, names: Sequence[str]
     ) -> list[PageMismatch]:

@@ -15,6 +15,7 @@ vLLM; the connector feeds it :class:`ScheduledRequest` views.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -153,20 +154,20 @@ class BlockLedger:
         ceil(pages read per step / budget) steps.
         """
         bs = self.block_size
-        chosen: list[int] = []
         if not running:
-            return chosen
+            return []
+        chosen: list[Sequence[int]] = []
         count = len(running)
         start = self._read_cursor % count
         left = budget
         for i in range(count):
             req = running[(start + i) % count]
-            table = list(req.block_ids()[: req.num_computed // bs])
+            table = req.block_ids()[: req.num_computed // bs]
             if left is not None and len(table) > left:
                 offset = self._read_window.get(req.req_id, 0) % len(table)
-                table = (table[offset:] + table[:offset])[:left]
+                table = (list(table[offset:]) + list(table[:offset]))[:left]
                 self._read_window[req.req_id] = offset + left
-            chosen.extend(table)
+            chosen.append(table)
             if left is not None:
                 left -= len(table)
                 if left <= 0:
@@ -177,8 +178,12 @@ class BlockLedger:
         if len(self._read_window) > 4 * count + 64:
             live = {r.req_id for r in running}
             self._read_window = {k: v for k, v in self._read_window.items() if k in live}
-        state = self.state
-        return [b for b in dict.fromkeys(chosen) if state[b] == BlockState.SEALED]
+        # One numpy pass instead of a Python test per page: keep sealed pages, first
+        # occurrence of each (pages shared by several requests are read once).
+        ids = np.fromiter(itertools.chain.from_iterable(chosen), dtype=np.int64)
+        ids = ids[self.state[ids] == BlockState.SEALED]
+        _, first = np.unique(ids, return_index=True)
+        return ids[np.sort(first)].tolist()
 
     def quarantine(self, block_ids: Iterable[int]) -> list[int]:
         """Mark blocks quarantined; return those that were not already."""
