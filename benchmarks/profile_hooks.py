@@ -1,0 +1,95 @@
+"""Where the guard's time goes, hook by hook, on the `kvguard bench` workload.
+
+    python benchmarks/profile_hooks.py [reuse|sampled|paranoid] [--pyinstrument out.txt]
+
+Runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the
+scheduler and worker halves of the guard can be timed directly, then prints
+calls, total and per-call time of each hook and the guard's share of the
+timed generate() call. With --pyinstrument, also writes a sampling profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("policy", nargs="?", default="sampled", choices=["reuse", "sampled", "paranoid"])
+    ap.add_argument("--pyinstrument", type=Path, help="write a pyinstrument text profile here")
+    a = ap.parse_args()
+    os.environ.update(
+        VLLM_KVGUARD="1",
+        VLLM_KVGUARD_VERIFY=a.policy,
+        VLLM_KVGUARD_LOG_LEVEL="WARNING",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        HF_HUB_OFFLINE="1",
+    )
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+
+    import vllm_kvguard.connector as connector
+    from vllm_kvguard.bench import ENGINE_ARGS, WARMUP, WORKLOAD
+    from vllm_kvguard.tinymodel import build_tiny_model
+
+    model = build_tiny_model(
+        Path(tempfile.gettempdir()) / "kvguard-bench-model", layers=4, hidden=512, heads=8, kv_heads=8
+    )
+    llm = LLM(model=str(model), **ENGINE_ARGS)
+    totals: dict[str, list[float]] = {}
+    hooks = [
+        "build_connector_meta",
+        "update_connector_output",
+        "get_kv_connector_stats",
+        "bind_connector_metadata",
+        "wait_for_layer_load",
+        "wait_for_save",
+        "build_connector_worker_meta",
+    ]
+    for name in hooks:
+        original = getattr(connector.KVGuardConnector, name)
+
+        def timed(self: Any, *args: Any, _original: Any = original, _name: str = name, **kw: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _original(self, *args, **kw)
+            finally:
+                totals.setdefault(_name, []).append(time.perf_counter() - start)
+
+        setattr(connector.KVGuardConnector, name, timed)
+    llm.generate([p for w in WARMUP.waves() for p in w], SamplingParams(max_tokens=8), use_tqdm=False)
+    totals.clear()
+    prompts = [p for w in WORKLOAD.waves() for p in w]
+    params = SamplingParams(temperature=0.0, max_tokens=WORKLOAD.max_tokens, ignore_eos=True)
+    profiler = None
+    if a.pyinstrument:
+        from pyinstrument import Profiler
+
+        profiler = Profiler(interval=0.001)
+        profiler.start()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    if profiler is not None:
+        profiler.stop()
+        a.pyinstrument.write_text(profiler.output_text(unicode=False, color=False))
+    spent = sum(sum(v) for v in totals.values())
+    share = spent / elapsed
+    print(
+        f"policy {a.policy}: generate() {elapsed:.3f} s, inside the guard {spent * 1e3:.1f} ms ({share:.2%})"
+    )
+    for name in hooks:
+        values = totals.get(name, [])
+        if values:
+            total = sum(values)
+            per_call = total / len(values) * 1e6
+            print(f"  {name:28s} {len(values):5d} calls {total * 1e3:8.1f} ms {per_call:8.1f} us/call")
+
+
+if __name__ == "__main__":
+    main()
