@@ -152,7 +152,8 @@ class KVGuardPromMetrics(KVConnectorPromMetrics):
 def _fail_open(default: Callable[[Any], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """Run a hook so that a bug in the guard never takes serving down.
 
-    The error is logged with its traceback and counted; the hook returns a
+    The error is counted and logged with its traceback (the 1st, 2nd, 4th, 8th...
+    occurrence, so that a bug hit on every step does not flood the logs); the hook returns a
     neutral value (``default(self)``), which leaves the step unguarded: pages not
     sealed this step are not verified later (the worker only verifies what it
     sealed). See docs/design.md, "Internal errors".
@@ -166,12 +167,13 @@ def _fail_open(default: Callable[[Any], T]) -> Callable[[Callable[..., T]], Call
                 return fn(self, *args, **kwargs)
             except Exception as exc:
                 self.internal_errors += 1
-                self.log.event(
-                    "kvguard_internal_error",
-                    InternalError(fn.__name__, repr(exc), self.internal_errors),
-                    level="error",
-                    traceback=traceback.format_exc(),
-                )
+                if _power_of_two(self.internal_errors):
+                    self.log.event(
+                        "kvguard_internal_error",
+                        InternalError(fn.__name__, repr(exc), self.internal_errors),
+                        level="error",
+                        traceback=traceback.format_exc(),
+                    )
                 if self.role == KVConnectorRole.SCHEDULER:
                     self.counters.add("internal_errors")
                 else:
@@ -184,6 +186,10 @@ def _fail_open(default: Callable[[Any], T]) -> Callable[[Callable[..., T]], Call
         return hook
 
     return wrap
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def _rank() -> int:
@@ -262,6 +268,7 @@ class KVGuardConnector(KVConnectorBase_V1):
             }[self.config.verify]
             self._step_readers: dict[int, list[str]] = {}
             self.counters = GuardCounters()
+            self.worker_errors_seen = 0
             self._hit_tokens: dict[int, dict[str, int]] = {}
             self.exporter = (
                 StandaloneExporter(self.config.metrics_port, str(model), engine=self.log.engine)
@@ -624,6 +631,9 @@ class KVGuardConnector(KVConnectorBase_V1):
         self.counters.absorb(meta.counters)
         for error in meta.internal_errors:
             self.counters.add("internal_errors")
+            self.worker_errors_seen += 1
+            if not _power_of_two(self.worker_errors_seen):
+                continue
             self.log.line("kvguard_worker_internal_error", level="error", error=error)
         by_block: dict[int, list[Detection]] = defaultdict(list)
         for d in meta.detections:

@@ -19,6 +19,7 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,8 +31,7 @@ class BlockState(IntEnum):
     QUARANTINED = 3
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):
     """One request in one scheduler step, as the ledger needs to see it.
 
     ``num_computed`` counts tokens whose KV existed before this step; for a
@@ -40,7 +40,8 @@ class ScheduledRequest:
     step (draft tokens excluded: they may be rejected and rewritten).
     ``new_block_ids`` are the blocks allocated to it this step (for a fresh
     request: all its blocks past the hits). ``block_ids`` returns the request's
-    whole block table; it is only called when needed.
+    whole block table; it is only called when needed. (A NamedTuple: one is built
+    per scheduled request per step, and a frozen dataclass costs several times more.)
     """
 
     req_id: str
