@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vllm_kvguard.drill import Progress, engine_env
+from vllm_kvguard.childrun import Progress, engine_env, run_child
 from vllm_kvguard.workload import Workload
 
 CONFIGS: dict[str, dict[str, str]] = {
@@ -95,21 +94,9 @@ def _child(args: dict[str, Any]) -> None:
 
 
 def _run_one(model: str, config: str, work: Path, index: int) -> dict[str, Any]:
-    out = work / f"{config}-{index}.json"
-    log = work / f"{config}-{index}.log"
     env = engine_env({**CONFIGS[config], "VLLM_KVGUARD_LOG_LEVEL": "WARNING"})
-    with log.open("w") as err:
-        proc = subprocess.run(
-            [sys.executable, "-m", "vllm_kvguard.bench", json.dumps({"model": model, "out": str(out)})],
-            env=env,
-            stdout=err,
-            stderr=subprocess.STDOUT,
-            check=False,
-        )
-    if proc.returncode != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
-        raise RuntimeError(f"benchmark run {config} #{index} failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(out.read_text())
+    args = {"model": model, "out": str(work / f"{config}-{index}.json")}
+    return run_child("vllm_kvguard.bench", args, env, work / f"{config}-{index}.log")
 
 
 def run_bench(

@@ -11,19 +11,16 @@ escaped detection.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
+from vllm_kvguard.childrun import Progress, engine_env, run_child
 from vllm_kvguard.config import Mode
 from vllm_kvguard.faults import parse_fault_spec
 from vllm_kvguard.workload import Workload
@@ -193,62 +190,6 @@ def _child(args: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- parent side
 
 
-def engine_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_KVGUARD")}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    env.update(extra)
-    return env
-
-
-class Progress:
-    """One status line that ticks while a long step runs (plain lines when not a TTY)."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-
-    def run(self, label: str, fn: Any) -> Any:
-        start = time.monotonic()
-        done = threading.Event()
-
-        def tick() -> None:
-            while not done.wait(1.0):
-                if self.tty:
-                    self.stream.write(f"\r{label} ... {time.monotonic() - start:.0f}s")
-                    self.stream.flush()
-
-        thread = threading.Thread(target=tick, daemon=True)
-        if not self.tty:
-            self.stream.write(f"{label} ...\n")
-            self.stream.flush()
-        thread.start()
-        try:
-            return fn()
-        finally:
-            done.set()
-            thread.join()
-            lead = "\r" if self.tty else ""
-            self.stream.write(f"{lead}{label} ... done in {time.monotonic() - start:.0f}s\n")
-            self.stream.flush()
-
-
-def _run_child(args: dict[str, Any], env: dict[str, str], log: Path) -> list[str | None]:
-    with log.open("w") as err:
-        proc = subprocess.run(
-            [sys.executable, "-m", "vllm_kvguard.drill", json.dumps(args)],
-            env=env,
-            stdout=err,
-            stderr=subprocess.STDOUT,
-            check=False,
-        )
-    if proc.returncode != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
-        raise RuntimeError(f"the engine run failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
-    return json.loads(Path(args["out"]).read_text())
-
-
 def run_drill(
     *,
     model: str | None,
@@ -275,8 +216,11 @@ def run_drill(
     base = {"model": model, "workload": workload}
     reference = show.run(
         "[2/3] clean run (plain vLLM, guard off)",
-        lambda: _run_child(
-            {**base, "out": str(work / "reference.json")}, engine_env({}), work / "reference.log"
+        lambda: run_child(
+            "vllm_kvguard.drill",
+            {**base, "out": str(work / "reference.json")},
+            engine_env({}),
+            work / "reference.log",
         ),
     )
     guard_log = work / "kvguard.jsonl"
@@ -291,7 +235,9 @@ def run_drill(
     )
     outputs = show.run(
         f"[3/3] guarded run with faults ({spec})",
-        lambda: _run_child({**base, "out": str(work / "guarded.json")}, env, work / "guarded.log"),
+        lambda: run_child(
+            "vllm_kvguard.drill", {**base, "out": str(work / "guarded.json")}, env, work / "guarded.log"
+        ),
     )
     lines = [json.loads(line) for line in guard_log.read_text().splitlines() if line.strip()]
     report = summarize(lines, outputs, reference, mode=str(mode), spec=spec)
