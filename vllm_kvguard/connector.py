@@ -266,10 +266,12 @@ class KVGuardConnector(KVConnectorBase_V1):
                 VerifyPolicy.PARANOID: None,
                 VerifyPolicy.SAMPLED: max(1, self.config.verify_budget_bytes // max(1, bytes_per_block)),
             }[self.config.verify]
-            self._step_readers: dict[int, list[str]] = {}
             self.counters = GuardCounters()
             self.worker_errors_seen = 0
-            self._hit_tokens: dict[int, dict[str, int]] = {}
+            # The last steps' request views, kept (not copied) so that a detection,
+            # which comes back with that step's or the next step's output, can name
+            # its readers and count their tokens; nothing is derived from them per step.
+            self._recent: dict[int, list[ScheduledRequest]] = {}
             self.exporter = (
                 StandaloneExporter(self.config.metrics_port, str(model), engine=self.log.engine)
                 if self.config.metrics_port
@@ -549,16 +551,9 @@ class KVGuardConnector(KVConnectorBase_V1):
         if plan.read_verify:
             meta.read_verify = plan.read_verify
             meta.read_trigger = str(self.config.verify)
-            self._step_readers[plan.step] = [r.req_id for r in requests if not r.fresh]
-            self._step_readers.pop(plan.step - 3, None)
+        self._recent[plan.step] = requests
+        self._recent.pop(plan.step - 3, None)
         self.counters.add("sealed", len(plan.seal))
-        if plan.verify:
-            bs = self.block_size
-            self._hit_tokens[plan.step] = {
-                r.req_id: r.num_computed for r in requests if r.fresh and r.num_computed >= bs
-            }
-            # Detections come back with this step's or the next step's output.
-            self._hit_tokens.pop(plan.step - 3, None)
         for violation in self.ledger.take_violations():
             self.log.line(
                 "kv_block_lifecycle_violation",
@@ -742,7 +737,7 @@ class KVGuardConnector(KVConnectorBase_V1):
         for d in detections:
             if d.trigger == "reuse":
                 continue
-            for req_id in self._step_readers.get(d.step, ()):
+            for req_id in (r.req_id for r in self._recent.get(d.step, ()) if not r.fresh):
                 try:
                     if block in manager.get_block_ids(req_id)[0]:
                         out.add(req_id)
@@ -751,7 +746,15 @@ class KVGuardConnector(KVConnectorBase_V1):
         return out
 
     def _tokens_to_recompute(self, req_id: str, block: int) -> int:
-        hits = next((h[req_id] for h in reversed(self._hit_tokens.values()) if req_id in h), 0)
+        hits = next(
+            (
+                r.num_computed
+                for step in reversed(self._recent.values())
+                for r in step
+                if r.req_id == req_id and r.fresh and r.num_computed >= self.block_size
+            ),
+            0,
+        )
         try:
             table = self._kv_cache_manager.get_block_ids(req_id)[0]  # type: ignore[union-attr]
         except (KeyError, AssertionError, AttributeError):

@@ -122,7 +122,6 @@ class InjectedFault:
     step: int
     read: bool = False
     detected: bool = False
-    detected_step: int | None = None
     discarded: bool = False
 
 
@@ -231,6 +230,5 @@ class FaultTracker:
         for fid in self._reading.pop(step, ()):
             fault = self.faults[fid]
             fault.detected = fault.block_id in bad_blocks
-            fault.detected_step = step if fault.detected else None
             out.append((fid, fault.detected))
         return out

@@ -62,9 +62,6 @@ class StepPlan:
     read_verify: list[int] = field(default_factory=list)
     unverified_hits: int = 0
 
-    def __bool__(self) -> bool:
-        return bool(self.seal or self.forget or self.verify or self.read_verify)
-
 
 @dataclass(frozen=True)
 class LifecycleViolation:

@@ -109,7 +109,6 @@ SERIES = (
         "of the guard's overhead share.",
     ),
 )
-BY_KEY = {s.key: s for s in SERIES}
 
 
 def exported_names() -> set[str]:
