@@ -38,6 +38,14 @@ class VerifyPolicy(StrEnum):
     PARANOID = "paranoid"  # plus every sealed page every step's attention reads
 
 
+class NonFiniteAction(StrEnum):
+    """What the guard does with a page that holds NaN/Inf when it is sealed."""
+
+    MODE = "mode"  # the same action as VLLM_KVGUARD_MODE
+    LOG = "log"  # report and count only
+    OFF = "off"  # do not look
+
+
 class HashAlgorithm(StrEnum):
     XXH3_64 = "xxh3_64"
     XXH64 = "xxh64"
@@ -57,6 +65,9 @@ class KVGuardConfig:
     mode: Mode = Mode.QUARANTINE
     verify: VerifyPolicy = VerifyPolicy.SAMPLED
     verify_budget_bytes: int = 256 << 10
+    scrub_interval_s: float = 300.0
+    scrub_budget_bytes: int = 1 << 20
+    nonfinite: NonFiniteAction = NonFiniteAction.MODE
     hash: HashAlgorithm = HashAlgorithm.XXH3_64
     quarantine_max_fraction: float = 0.02
     log_format: LogFormat = LogFormat.AUTO
@@ -72,11 +83,26 @@ class KVGuardConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> KVGuardConfig:
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in data.items() if k in known}
-        enums = (("mode", Mode), ("verify", VerifyPolicy), ("hash", HashAlgorithm), ("log_format", LogFormat))
+        enums = (
+            ("mode", Mode),
+            ("verify", VerifyPolicy),
+            ("nonfinite", NonFiniteAction),
+            ("hash", HashAlgorithm),
+            ("log_format", LogFormat),
+        )
         for name, enum in enums:
             if name in kw:
                 kw[name] = enum(kw[name])
         return cls(**kw)
+
+    @property
+    def nonfinite_mode(self) -> Mode | None:
+        """The action on a non-finite page (None: not checked)."""
+        if self.nonfinite == NonFiniteAction.OFF:
+            return None
+        if self.nonfinite == NonFiniteAction.LOG:
+            return Mode.LOG
+        return self.mode
 
 
 def _choice(var: str, raw: str, enum: type[StrEnum]) -> Any:
@@ -129,6 +155,24 @@ def _bytes(var: str, raw: str) -> int:
     return int(number) * _UNITS[unit]
 
 
+_SECONDS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def _interval(var: str, raw: str) -> float:
+    text = raw.strip().lower()
+    if text == "off":
+        return 0.0
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number) :].strip()
+    try:
+        value = float(number) * _SECONDS[unit]
+    except (ValueError, KeyError):
+        value = -1.0
+    if not 0.0 <= value < float("inf"):
+        raise KVGuardConfigError(var, raw, "a duration such as 300, 30s, 5m or 1h (0 or off: no scrubbing)")
+    return value
+
+
 def _log_level(var: str, raw: str) -> str:
     levels = ("DEBUG", "INFO", "WARNING", "ERROR")
     value = raw.strip().upper()
@@ -162,6 +206,9 @@ _VARIABLES = {
     "_MODE": ("mode", lambda var, raw: _choice(var, raw, Mode)),
     "_VERIFY": ("verify", lambda var, raw: _choice(var, raw, VerifyPolicy)),
     "_VERIFY_BUDGET": ("verify_budget_bytes", _bytes),
+    "_SCRUB_INTERVAL": ("scrub_interval_s", _interval),
+    "_SCRUB_BUDGET": ("scrub_budget_bytes", _bytes),
+    "_NONFINITE": ("nonfinite", lambda var, raw: _choice(var, raw, NonFiniteAction)),
     "_HASH": ("hash", lambda var, raw: _choice(var, raw, HashAlgorithm)),
     "_QUARANTINE_MAX_FRACTION": ("quarantine_max_fraction", _fraction),
     "_LOG_FORMAT": ("log_format", lambda var, raw: _choice(var, raw, LogFormat)),

@@ -43,18 +43,21 @@ from vllm_kvguard.errors import KVCacheCorruptionError
 from vllm_kvguard.events import (
     Action,
     BlockCorrupted,
+    BlockNonFinite,
     BlockQuarantined,
     Detection,
     FaultInjected,
     FaultOutcome,
     GuardStarted,
     InternalError,
+    LifecycleViolationFound,
     RequestAffected,
 )
-from vllm_kvguard.faults import FaultKind, FaultTracker, Injection, parse_fault_spec
-from vllm_kvguard.ledger import BlockLedger, ScheduledRequest, StepPlan
+from vllm_kvguard.faults import FaultKind, FaultSite, FaultTracker, Injection, parse_fault_spec
+from vllm_kvguard.ledger import BlockLedger, LifecycleViolation, ScheduledRequest, StepPlan, Violation
 from vllm_kvguard.logs import GuardLog
 from vllm_kvguard.metrics import GuardCounters, Recorder, StandaloneExporter, build_metrics
+from vllm_kvguard.scrub import Scrubber
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,6 +83,11 @@ class KVGuardMetadata(KVConnectorMetadata):
     readers: dict[int, list[str]] = field(default_factory=dict)
     read_verify: list[int] = field(default_factory=list)
     read_trigger: str = ""
+    scrub: list[int] = field(default_factory=list)
+    # Blocks the workers report as unreadable this step, so that vLLM recomputes (or,
+    # under the fail policy, fails) the requests holding them: non-finite pages found
+    # at an earlier seal, blocks a lifecycle violation made unreadable.
+    invalidate: list[int] = field(default_factory=list)
     inject: list[Injection] = field(default_factory=list)
 
 
@@ -266,6 +274,22 @@ class KVGuardConnector(KVConnectorBase_V1):
                 VerifyPolicy.PARANOID: None,
                 VerifyPolicy.SAMPLED: max(1, self.config.verify_budget_bytes // max(1, bytes_per_block)),
             }[self.config.verify]
+            self.scrubber = (
+                Scrubber(
+                    self.config.scrub_interval_s,
+                    max(1, self.config.scrub_budget_bytes // max(1, bytes_per_block)),
+                )
+                if self.config.scrub_interval_s > 0
+                else None
+            )
+            self._scrub_behind_logged = False
+            self._age_reported_at = 0.0
+            # Non-finite pages: blocks to report unreadable next step, and how often each
+            # request was sent to recompute one (a model that writes NaN writes it again).
+            self._invalidate_next: list[int] = []
+            self._nonfinite_recomputes: dict[str, int] = {}
+            # Requests to end with an error after this step's output (lifecycle violations).
+            self.pending_failures: dict[str, str] = {}
             self.counters = GuardCounters()
             self.worker_errors_seen = 0
             # The last steps' request views, kept (not copied) so that a detection,
@@ -289,6 +313,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                         "block_size": self.block_size,
                         "kv_load_failure_policy": self._kv_transfer_config.kv_load_failure_policy,
                         "read_pages_per_step": "all" if self.read_budget is None else self.read_budget,
+                        "scrub_pages_per_step_max": self.scrubber.max_pages if self.scrubber else 0,
                         "active": self.active,
                         "kv_cache_groups": groups,
                     },
@@ -359,7 +384,12 @@ class KVGuardConnector(KVConnectorBase_V1):
         # Before the forward: this step's prefix hits are read by its attention.
         self.table.forget(meta.forget)
         if meta.verify:
-            self._verify(meta)
+            self._verify(meta, meta.verify, "reuse")
+        if meta.scrub:
+            self._verify(meta, meta.scrub, "scrub")
+        if meta.invalidate and self.config.mode != Mode.LOG:
+            self._invalid.update(meta.invalidate)
+            self.table.forget(meta.invalidate)
         self._reads_left = set()
         if meta.read_verify:
             assert self.pages is not None
@@ -371,14 +401,15 @@ class KVGuardConnector(KVConnectorBase_V1):
             self._read_seconds = 0.0
             self.worker_counters.add("verified", len(self._read_blocks), label=meta.read_trigger)
 
-    def _verify(self, meta: KVGuardMetadata) -> None:
+    def _verify(self, meta: KVGuardMetadata, block_ids: list[int], trigger: str) -> None:
         assert self.pages is not None and self.table is not None
         start = time.perf_counter()
-        blocks = self.table.sealed_only(meta.verify)
+        blocks = self.table.sealed_only(block_ids)
         mismatches = self.table.compare(blocks, self.pages.digest(blocks), self.pages.names)
         out = self._worker_meta()
-        out.verified_steps.add(meta.step)
-        self.worker_counters.add("verified", len(blocks), label="reuse")
+        if trigger == "reuse":
+            out.verified_steps.add(meta.step)
+        self.worker_counters.add("verified", len(blocks), label=trigger)
         self.worker_counters.add("bytes_hashed", len(blocks) * self.pages.bytes_per_block, label="verify")
         self.worker_counters.observe("verify_seconds", time.perf_counter() - start)
         for m in mismatches:
@@ -390,7 +421,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                     m.expected,
                     m.actual,
                     tuple(meta.readers.get(m.block_id, ())),
-                    "reuse",
+                    trigger,
                     meta.step,
                 )
             )
@@ -478,14 +509,38 @@ class KVGuardConnector(KVConnectorBase_V1):
             layers, self._reads_left = sorted(self._reads_left), set()
             self._verify_reads(layers)
         # After the forward: the pages whose last slot was written this step are final.
+        at_rest = []
+        for injection in meta.inject:
+            if injection.at == FaultSite.WRITE:
+                self._inject(injection)
+            else:
+                at_rest.append(injection)
         if meta.seal:
+            if self.config.nonfinite_mode is not None:
+                self._check_finite(meta)
             self.table.seal(meta.seal, self.pages.digest(meta.seal))
             self.worker_counters.add(
                 "bytes_hashed", len(meta.seal) * self.pages.bytes_per_block, label="seal"
             )
-        for injection in meta.inject:
+        for injection in at_rest:
             if not self._inject(injection):
                 self._worker_meta().unchanged_faults.append(injection.fault_id)
+
+    def _check_finite(self, meta: KVGuardMetadata) -> None:
+        """Write-time sanity: NaN/Inf in a page being sealed is bad data, not a change at rest."""
+        assert self.pages is not None
+        bad = self.pages.nonfinite(meta.seal)
+        if meta.inject:
+            self._worker_meta().verified_steps.add(meta.step)
+        if not bad.any():
+            return
+        rows, cols = np.nonzero(bad)
+        for r, c in zip(rows.tolist(), cols.tolist(), strict=True):
+            self._worker_meta().detections.append(
+                Detection(
+                    self.rank, meta.seal[r], self.pages.names[c], 0, 0, (), "seal", meta.step, "nonfinite"
+                )
+            )
 
     def _inject(self, injection: Injection) -> bool:
         """Corrupt one page as ordered; return whether its bytes changed."""
@@ -546,7 +601,8 @@ class KVGuardConnector(KVConnectorBase_V1):
         if not self.active:
             return KVGuardMetadata(step=self.ledger.step)
         requests = self._scheduled(so)
-        plan = self.ledger.plan(requests, self.read_budget)
+        now = time.monotonic()
+        plan = self.ledger.plan(requests, self.read_budget, now, so.preempted_req_ids or ())
         meta = KVGuardMetadata(plan.step, plan.seal, plan.forget, plan.verify, plan.readers)
         if plan.read_verify:
             meta.read_verify = plan.read_verify
@@ -554,17 +610,66 @@ class KVGuardConnector(KVConnectorBase_V1):
         self._recent[plan.step] = requests
         self._recent.pop(plan.step - 3, None)
         self.counters.add("sealed", len(plan.seal))
+        if self.scrubber is not None:
+            self._plan_scrub(meta, now)
+        if self._invalidate_next:
+            meta.invalidate, self._invalidate_next = self._invalidate_next, []
         for violation in self.ledger.take_violations():
-            self.log.line(
-                "kv_block_lifecycle_violation",
-                level="error",
-                block_id=violation.block_id,
-                request_id=violation.req_id,
-                what=violation.what,
-            )
+            self._handle_violation(violation, meta)
         if self.faults is not None:
             self._plan_faults(plan, meta)
         return meta
+
+    def _plan_scrub(self, meta: KVGuardMetadata, now: float) -> None:
+        assert self.scrubber is not None
+        meta.scrub = self.scrubber.select(self.ledger, now)
+        if self.scrubber.behind and not self._scrub_behind_logged:
+            self._scrub_behind_logged = True
+            self.log.line(
+                "kvguard_scrub_behind",
+                level="warning",
+                reason=(
+                    "VLLM_KVGUARD_SCRUB_BUDGET cannot verify every sealed page within "
+                    "VLLM_KVGUARD_SCRUB_INTERVAL at this step rate; raise the budget or the interval"
+                ),
+                pages_per_step_max=self.scrubber.max_pages,
+            )
+        if now - self._age_reported_at >= 1.0:
+            self._age_reported_at = now
+            self.counters.set("oldest_unverified_age", self.ledger.oldest_unverified_age(now))
+
+    def _handle_violation(self, violation: LifecycleViolation, meta: KVGuardMetadata) -> None:
+        """A block misused by the scheduler: report it and protect the requests it touches.
+
+        A block handed to a second request while the first still writes it cannot be
+        healed by recomputing (both would keep writing the same block): the first
+        holder, whose KV is being overwritten, is failed. A quarantined block reused
+        from the prefix cache, or a block the ledger saw released in a running
+        request's block table, is reported unreadable, so its reader recomputes
+        (quarantine) or fails (raise). A quarantined block handed out as a new block
+        is overwritten before anyone reads it: logged only.
+        """
+        mode = self.config.mode
+        v = violation
+        self.counters.add("lifecycle_violations", label=str(v.what))
+        action = Action.LOGGED
+        if mode != Mode.LOG:
+            message = KVCacheCorruptionError.describe_violation(v.block_id, str(v.what), v.holder or v.req_id)
+            if v.what == Violation.DOUBLE_ALLOCATION and v.holder is not None:
+                self.pending_failures[v.holder] = message
+                action = Action.REQUESTS_FAILED
+            elif v.what in (Violation.QUARANTINED_REUSED, Violation.FREE_BLOCK_READ):
+                meta.invalidate.append(v.block_id)
+                if mode == Mode.RAISE:
+                    self.corruption_messages[v.req_id] = message
+                    action = Action.REQUESTS_FAILED
+                else:
+                    action = Action.RECOMPUTED
+        self.log.event(
+            "kv_block_lifecycle_violation",
+            LifecycleViolationFound(v.block_id, str(v.what), v.req_id, v.holder, action, self.ledger.step),
+            level="error",
+        )
 
     def _scheduled(self, so: SchedulerOutput) -> list[ScheduledRequest]:
         bs = self.block_size
@@ -610,6 +715,8 @@ class KVGuardConnector(KVConnectorBase_V1):
         blocks = self.block_pool.blocks
         candidates = self.ledger.idle_sealed(lambda b: blocks[b].ref_cnt > 0 or blocks[b].block_hash is None)
         meta.inject = self.faults.inject(plan.step, candidates, self._num_layers)
+        if plan.seal and not meta.inject:
+            meta.inject = self.faults.inject(plan.step, plan.seal, self._num_layers, FaultSite.WRITE)
         for inj in meta.inject:
             self.counters.add("faults_injected", label=str(inj.kind))
             self.log.event(
@@ -631,16 +738,19 @@ class KVGuardConnector(KVConnectorBase_V1):
                 continue
             self.log.line("kvguard_worker_internal_error", level="error", error=error)
         by_block: dict[int, list[Detection]] = defaultdict(list)
+        nonfinite: dict[int, list[Detection]] = defaultdict(list)
         for d in meta.detections:
-            by_block[d.block_id].append(d)
+            (nonfinite if d.kind == "nonfinite" else by_block)[d.block_id].append(d)
         for block, detections in sorted(by_block.items()):
             self._handle_corruption(block, detections)
+        for block, detections in sorted(nonfinite.items()):
+            self._handle_nonfinite(block, detections)
         if self.faults is not None:
             for fid in meta.unchanged_faults:
                 self.faults.no_change(fid)
                 self.log.event("kv_fault_outcome", FaultOutcome(fid, "no_change", self.ledger.step))
             for step in sorted(meta.verified_steps):
-                for fid, detected in self.faults.verified(step, set(by_block)):
+                for fid, detected in self.faults.verified(step, set(by_block) | set(nonfinite)):
                     outcome = "detected" if detected else "escaped"
                     self.log.event(
                         "kv_fault_outcome",
@@ -688,21 +798,92 @@ class KVGuardConnector(KVConnectorBase_V1):
             if mode == Mode.RAISE:
                 self.corruption_messages[req_id] = KVCacheCorruptionError.describe(block, first.layer)
 
+    def _handle_nonfinite(self, block: int, detections: list[Detection]) -> None:
+        """NaN/Inf in a page just sealed: keep it from spreading, recompute once.
+
+        Found after the forward that wrote it, so vLLM cannot be told in the same step
+        (it only re-checks blocks computed before the step): the block goes out of the
+        prefix cache now and is reported unreadable next step, when its writers
+        recompute it (quarantine) or fail (raise). A writer that writes non-finite
+        values again after one recompute has a numerical problem, not a memory one:
+        the block is evicted and the request goes on (no recompute loop).
+        """
+        first = detections[0]
+        mode = self.config.nonfinite_mode
+        writers = tuple(sorted(self._holders(block, first.step)))
+        self.counters.add("corruptions", label="nonfinite")
+        reason = ""
+        if mode == Mode.LOG or mode is None:
+            action, outcome = Action.LOGGED, "logged"
+        else:
+            self._evict_from_cache(block, writers)
+            again = [w for w in writers if self._nonfinite_recomputes.get(w, 0) >= 1]
+            if mode == Mode.QUARANTINE and again:
+                action, outcome = Action.EVICTED, "logged"
+                reason = "non-finite again after a recompute: the model computes it, not a memory fault"
+            else:
+                self._invalidate_next.append(block)
+                if mode == Mode.RAISE:
+                    action, outcome = Action.REQUESTS_FAILED, "failed"
+                else:
+                    action, outcome = Action.RECOMPUTED, "recomputed"
+                for w in writers:
+                    self._nonfinite_recomputes[w] = self._nonfinite_recomputes.get(w, 0) + 1
+        self.log.event(
+            "kv_block_nonfinite",
+            BlockNonFinite(
+                block_id=block,
+                layers=tuple(dict.fromkeys(d.layer for d in detections)),
+                ranks=tuple(sorted({d.rank for d in detections})),
+                request_ids=writers,
+                action=action,
+                step=first.step,
+                reason=reason,
+            ),
+            level="error",
+        )
+        message = KVCacheCorruptionError.describe_nonfinite(block, first.layer)
+        for req_id in writers:
+            self.counters.add("requests_affected", label=outcome)
+            self.log.event("kv_request_affected", RequestAffected(req_id, block, outcome), level="warning")
+            if mode == Mode.RAISE:
+                self.corruption_messages[req_id] = message
+
+    def _holders(self, block: int, step: int) -> set[str]:
+        """Requests of ``step`` whose block table holds ``block``."""
+        manager = self._kv_cache_manager
+        out: set[str] = set()
+        if manager is None:
+            return out
+        for req in self._recent.get(step, ()):
+            try:
+                if block in manager.get_block_ids(req.req_id)[0]:
+                    out.add(req.req_id)
+            except (KeyError, AssertionError):
+                continue
+        return out
+
+    def _evict_from_cache(self, block: int, readers: tuple[str, ...]) -> None:
+        """Take ``block``, and the blocks each reader computed from it, out of the prefix cache."""
+        if self._kv_cache_manager is None:
+            return
+        evict = {block}
+        for req_id in readers:
+            try:
+                table = self._kv_cache_manager.get_block_ids(req_id)[0]
+            except (KeyError, AssertionError):
+                continue
+            if block in table:
+                evict.update(table[table.index(block) :])
+        self.block_pool.evict_blocks(evict)
+
     def _quarantine(self, block: int, readers: tuple[str, ...]) -> None:
         pool = self.block_pool
-        if self.config.mode == Mode.QUARANTINE and self._kv_cache_manager is not None:
+        if self.config.mode == Mode.QUARANTINE:
             # Under the "recompute" policy vLLM rewrites the readers' blocks in place
             # and leaves them in the prefix cache: take the bad block, and the blocks
             # each reader computed from it, out of the cache so nobody else reads them.
-            evict = {block}
-            for req_id in readers:
-                try:
-                    table = self._kv_cache_manager.get_block_ids(req_id)[0]
-                except (KeyError, AssertionError):
-                    continue
-                if block in table:
-                    evict.update(table[table.index(block) :])
-            pool.evict_blocks(evict)
+            self._evict_from_cache(block, readers)
         if not self.ledger.quarantine([block]):
             return
         count = self.ledger.quarantined()
@@ -712,7 +893,7 @@ class KVGuardConnector(KVConnectorBase_V1):
             # free queue, so it is never handed out again.
             pool.touch([pool.blocks[block]])
         else:
-            self.ledger.release([block])
+            self.ledger.release_quarantined([block])
             pool.evict_blocks({block})
         self.counters.set("quarantined", self.ledger.quarantined())
         self.log.event(
@@ -722,7 +903,11 @@ class KVGuardConnector(KVConnectorBase_V1):
             **({} if pinned else {"reason": "quarantine full (VLLM_KVGUARD_QUARANTINE_MAX_FRACTION)"}),
         )
 
+    @_fail_open(lambda self: (False, None))
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.active:
+            self.ledger.release_request(request.request_id)
+            self._nonfinite_recomputes.pop(request.request_id, None)
         return False, None
 
     def take_corruption_message(self, req_id: str) -> str | None:
@@ -730,19 +915,9 @@ class KVGuardConnector(KVConnectorBase_V1):
 
     def _running_readers(self, block: int, detections: list[Detection]) -> set[str]:
         """Running requests whose block table holds ``block`` (for read-time detections)."""
-        manager = self._kv_cache_manager
         out: set[str] = set()
-        if manager is None:
-            return out
-        for d in detections:
-            if d.trigger == "reuse":
-                continue
-            for req_id in (r.req_id for r in self._recent.get(d.step, ()) if not r.fresh):
-                try:
-                    if block in manager.get_block_ids(req_id)[0]:
-                        out.add(req_id)
-                except (KeyError, AssertionError):
-                    continue
+        for step in {d.step for d in detections if d.trigger != "reuse"}:
+            out |= self._holders(block, step)
         return out
 
     def _tokens_to_recompute(self, req_id: str, block: int) -> int:
@@ -808,7 +983,11 @@ def _install_scheduler_hook() -> None:
     def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
         outputs = original(self, *args, **kwargs)
         guard = find_guard(getattr(self, "connector", None))
-        if guard is None or not guard.corruption_messages:
+        if guard is None:
+            return outputs
+        if guard.pending_failures:
+            _fail_requests(self, guard, outputs)
+        if not guard.corruption_messages:
             return outputs
         for engine_outputs in outputs.values():
             for out in engine_outputs.outputs:
@@ -820,6 +999,30 @@ def _install_scheduler_hook() -> None:
 
     update_from_output._kvguard = True  # type: ignore[attr-defined]
     Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+
+
+def _fail_requests(scheduler: Any, guard: KVGuardConnector, outputs: dict[int, Any]) -> None:
+    """End the requests a lifecycle violation made unsafe, as vLLM ends failed requests.
+
+    vLLM's invalid-block path cannot do it: under the recompute policy the request
+    would recompute into the very block another request now writes.
+    """
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+    from vllm.v1.request import RequestStatus
+
+    failures, guard.pending_failures = guard.pending_failures, {}
+    for request in scheduler.finish_requests(list(failures), RequestStatus.FINISHED_ERROR):
+        engine_outputs = outputs.get(request.client_index)
+        if engine_outputs is None:
+            engine_outputs = outputs[request.client_index] = EngineCoreOutputs(outputs=[])
+        engine_outputs.outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                stop_reason=failures[request.request_id],
+            )
+        )
 
 
 __all__ = ["KVGuardConnector", "KVGuardMetadata", "KVGuardWorkerMetadata", "find_guard"]

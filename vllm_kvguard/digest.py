@@ -158,6 +158,24 @@ class KVPages:
             digests.append(state.intdigest())
         return digests
 
+    def nonfinite(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Which pages hold NaN or Inf, shape (len(block_ids), num_layers), bool.
+
+        One gather and one reduction per layer for the whole batch (the pages being
+        sealed this step); integer KV dtypes (quantised caches) cannot hold NaN and
+        are reported finite.
+        """
+        out = np.zeros((len(block_ids), self.num_layers), dtype=bool)
+        if not block_ids:
+            return out
+        for layer, tensor in enumerate(self.tensors):
+            if not tensor.is_floating_point():
+                continue
+            index = torch.as_tensor(block_ids, device=tensor.device)
+            pages = tensor.index_select(0, index).reshape(len(block_ids), -1)
+            out[:, layer] = (~torch.isfinite(pages).all(dim=1)).cpu().numpy()
+        return out
+
     def page(self, block_id: int, layer: int) -> torch.Tensor:
         """The page as a tensor view (for fault injection and tests)."""
         return self.tensors[layer][block_id]

@@ -43,6 +43,21 @@ class KVCacheCorruptionError(RuntimeError):
         )
 
     @classmethod
+    def describe_nonfinite(cls, block_id: int, layer: str) -> str:
+        return (
+            f"{cls.PREFIX}: block {block_id} (layer {layer}) was written with non-finite "
+            "values (NaN/Inf); the request was ended so that it does not return text computed from them"
+        )
+
+    @classmethod
+    def describe_violation(cls, block_id: int, what: str, request_id: str) -> str:
+        return (
+            f"{cls.PREFIX}: block {block_id} (layer all) lifecycle violation {what} "
+            f"(request {request_id}); the scheduler gave this request's KV block to another "
+            "use, so the request was ended"
+        )
+
+    @classmethod
     def parse(cls, message: str, request_id: str | None = None) -> KVCacheCorruptionError | None:
         """Rebuild the error from the message :meth:`describe` wrote, or None."""
         if not message.startswith(cls.PREFIX + ": block "):

@@ -10,6 +10,8 @@ class Action(StrEnum):
     QUARANTINED_RECOMPUTED = "quarantined_and_recomputed"
     REQUESTS_FAILED = "requests_failed"
     LOGGED = "logged"
+    RECOMPUTED = "recomputed"  # readers recompute; the block is not held out
+    EVICTED = "evicted"  # out of the prefix cache, nothing recomputed (retry limit)
 
 
 @dataclass(frozen=True)
@@ -22,8 +24,9 @@ class Detection:
     expected: int
     actual: int
     readers: tuple[str, ...] = ()
-    trigger: str = "reuse"  # reuse | sampled | paranoid
+    trigger: str = "reuse"  # reuse | sampled | paranoid | scrub | seal
     step: int = 0
+    kind: str = "checksum_mismatch"  # or "nonfinite": NaN/Inf in a page being sealed
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,31 @@ class BlockCorrupted:
     generation: int
     step: int
     trigger: str = "reuse"
+
+
+@dataclass(frozen=True)
+class BlockNonFinite:
+    """NaN/Inf found in a page as it was sealed: bad data written, not a change at rest."""
+
+    block_id: int
+    layers: tuple[str, ...]
+    ranks: tuple[int, ...]
+    request_ids: tuple[str, ...]
+    action: Action
+    step: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class LifecycleViolationFound:
+    """A block used in a way that only a scheduler bug explains."""
+
+    block_id: int
+    what: str
+    request_id: str
+    holder_request_id: str | None
+    action: Action
+    step: int
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,17 @@ class FaultKind(StrEnum):
     NAN = "nan"
 
 
-_KEYS = {"count", "rate", "seed", "after", "layer"}
+_KEYS = {"count", "rate", "seed", "after", "layer", "at"}
 _GRAMMAR = (
     "KIND[:key=value,...] joined by ';', KIND one of bitflip | overwrite | zero | nan, "
-    "keys count=N (>=1) or rate=P (0<P<=1), seed=N, after=STEP (>=0), layer=INDEX (>=0)"
+    "keys count=N (>=1) or rate=P (0<P<=1), seed=N, after=STEP (>=0), layer=INDEX (>=0), "
+    "at=rest|write (write: nan only)"
 )
+
+
+class FaultSite(StrEnum):
+    REST = "rest"  # a sealed page no request holds, after its seal (checksum territory)
+    WRITE = "write"  # a page being sealed this step, before its seal (the non-finite check)
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class FaultSpec:
     seed: int = 0
     after: int = 0
     layer: int | None = None
+    at: FaultSite = FaultSite.REST
 
 
 def _bad(spec: str, variable: str, why: str) -> KVGuardConfigError:
@@ -97,6 +104,13 @@ def parse_fault_spec(spec: str, *, variable: str = VARIABLE) -> list[FaultSpec]:
             raise _bad(spec, variable, "give count or rate, not both")
         if count is None and rate is None:
             count = 1
+        try:
+            at = FaultSite(kw.get("at", "rest").lower())
+        except ValueError:
+            raise _bad(spec, variable, f"at={kw['at']!r} is not rest or write") from None
+        if at == FaultSite.WRITE and kind != FaultKind.NAN:
+            # A checksum seals whatever was written; only non-finite values are visible then.
+            raise _bad(spec, variable, f"at=write needs kind nan, not {kind}")
         faults.append(
             FaultSpec(
                 kind=kind,
@@ -105,6 +119,7 @@ def parse_fault_spec(spec: str, *, variable: str = VARIABLE) -> list[FaultSpec]:
                 seed=_int(spec, variable, "seed", kw["seed"], 0) if "seed" in kw else 0,
                 after=_int(spec, variable, "after", kw["after"], 0) if "after" in kw else 0,
                 layer=_int(spec, variable, "layer", kw["layer"], 0) if "layer" in kw else None,
+                at=at,
             )
         )
     if not faults:
@@ -138,15 +153,15 @@ class FaultPlan:
         self._left = [s.count for s in self.specs]
 
     def due(
-        self, step: int, candidates: list[int], num_layers: int
+        self, step: int, candidates: list[int], num_layers: int, at: FaultSite = FaultSite.REST
     ) -> list[tuple[FaultSpec, int, int, random.Random]]:
-        """Faults to apply at ``step``: (spec, block id, layer index, rng) for each."""
+        """Faults at site ``at`` to apply at ``step``: (spec, block id, layer index, rng) for each."""
         out: list[tuple[FaultSpec, int, int, random.Random]] = []
         if not candidates:
             return out
         # At most one fault per step, so that faults spread over pages and time.
         for i, spec in enumerate(self.specs):
-            if out or step < spec.after:
+            if out or step < spec.after or spec.at != at:
                 continue
             rng = self._rngs[i]
             if spec.count is not None:
@@ -170,6 +185,7 @@ class Injection:
     block_id: int
     layer: int
     seed: int
+    at: FaultSite = FaultSite.REST
 
 
 class FaultTracker:
@@ -188,15 +204,23 @@ class FaultTracker:
         self._reading: dict[int, list[int]] = {}  # step -> fault ids read at that step
         self._next_id = 1
 
-    def inject(self, step: int, candidates: list[int], num_layers: int) -> list[Injection]:
+    def inject(
+        self, step: int, candidates: list[int], num_layers: int, at: FaultSite = FaultSite.REST
+    ) -> list[Injection]:
+        """Faults to inject this step. A fault at rest waits for a reader; one at write
+        is read by the check at its seal in this same step."""
         out = []
         fresh = [b for b in candidates if b not in self._pending]
-        for spec, block, layer, rng in self._plan.due(step, fresh, num_layers):
+        for spec, block, layer, rng in self._plan.due(step, fresh, num_layers, at):
             fid = self._next_id
             self._next_id += 1
             self.faults[fid] = InjectedFault(spec.kind, block, layer, step)
-            self._pending.setdefault(block, []).append(fid)
-            out.append(Injection(fid, spec.kind, block, layer, rng.randrange(2**31)))
+            if at == FaultSite.WRITE:
+                self.faults[fid].read = True
+                self._reading.setdefault(step, []).append(fid)
+            else:
+                self._pending.setdefault(block, []).append(fid)
+            out.append(Injection(fid, spec.kind, block, layer, rng.randrange(2**31), at))
         return out
 
     def allocated(self, blocks: list[int]) -> list[int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from typing import NamedTuple
 
 import numpy as np
@@ -63,13 +63,27 @@ class StepPlan:
     unverified_hits: int = 0
 
 
+class Violation(StrEnum):
+    """How a block was misused (the ``what`` of ``kv_block_lifecycle_violation``)."""
+
+    DOUBLE_ALLOCATION = "allocated_while_held"  # handed to a request while another still writes it
+    QUARANTINED_ALLOCATED = "quarantined_block_allocated"
+    QUARANTINED_REUSED = "quarantined_block_reused"
+    FREE_BLOCK_READ = "free_block_in_block_table"  # stale block table
+
+
 @dataclass(frozen=True)
 class LifecycleViolation:
-    """A block used in a way the ledger says is impossible (a scheduler bug)."""
+    """A block used in a way the ledger says is impossible (a scheduler bug).
+
+    ``req_id`` is the request the block was just given to (or that reads it);
+    ``holder`` the request the ledger says still owns it, if any.
+    """
 
     block_id: int
     req_id: str
-    what: str
+    what: Violation
+    holder: str | None = None
 
 
 class BlockLedger:
@@ -77,6 +91,11 @@ class BlockLedger:
         self.block_size = block_size
         self.state = np.zeros(num_blocks, dtype=np.uint8)
         self.generation = np.zeros(num_blocks, dtype=np.uint32)
+        # When each block was last sealed or verified (the caller's clock): scrub age.
+        self.checked_at = np.zeros(num_blocks, dtype=np.float64)
+        # Who writes each FILLING block, and the reverse: the lifecycle audit.
+        self.writer: dict[int, str] = {}
+        self._writing: dict[str, set[int]] = {}
         self.step = 0
         self.violations: list[LifecycleViolation] = []
         self._read_cursor = 0
@@ -89,14 +108,25 @@ class BlockLedger:
     def quarantined(self) -> int:
         return int(np.count_nonzero(self.state == BlockState.QUARANTINED))
 
-    def plan(self, requests: Iterable[ScheduledRequest], read_budget: int | None = 0) -> StepPlan:
+    def plan(
+        self,
+        requests: Iterable[ScheduledRequest],
+        read_budget: int | None = 0,
+        now: float = 0.0,
+        released: Iterable[str] = (),
+    ) -> StepPlan:
         """Plan one step. ``read_budget``: how many pages that running requests read this
-        step to verify as well (0: none; None: all of them, the paranoid policy)."""
+        step to verify as well (0: none; None: all of them, the paranoid policy).
+        ``released``: requests that gave their blocks back since the last step
+        (preempted), before this step's allocations."""
         requests = list(requests)
+        for req_id in released:
+            self.release_request(req_id)
         self.step += 1
         plan = StepPlan(self.step)
         bs = self.block_size
         state = self.state
+        writer = self.writer
         for req in requests:
             hits = req.num_computed // bs if req.fresh else 0
             first_sealed = req.num_computed // bs
@@ -117,21 +147,33 @@ class BlockLedger:
                             readers.append(req.req_id)
                     elif s == BlockState.QUARANTINED:
                         self.violations.append(
-                            LifecycleViolation(block, req.req_id, "quarantined block reused")
+                            LifecycleViolation(block, req.req_id, Violation.QUARANTINED_REUSED)
                         )
                     else:
-                        # Filled by another request in this same step: not sealed yet.
+                        # Filled by another request in this same step (not sealed yet), or
+                        # loaded by another KV connector: not verified.
                         plan.unverified_hits += 1
+                        if s == BlockState.FREE:
+                            state[block] = BlockState.FILLING
+                            self._own(block, req.req_id)
             for block in req.new_block_ids:
                 s = state[block]
                 if s == BlockState.QUARANTINED:
                     self.violations.append(
-                        LifecycleViolation(block, req.req_id, "quarantined block allocated")
+                        LifecycleViolation(block, req.req_id, Violation.QUARANTINED_ALLOCATED)
                     )
                     continue
                 if s == BlockState.SEALED:
                     plan.forget.append(block)
+                elif s == BlockState.FILLING:
+                    holder = writer.get(block)
+                    if holder is not None and holder != req.req_id:
+                        self.violations.append(
+                            LifecycleViolation(block, req.req_id, Violation.DOUBLE_ALLOCATION, holder)
+                        )
+                        self._writing[holder].discard(block)
                 state[block] = BlockState.FILLING
+                self._own(block, req.req_id)
             if last_sealed > first_sealed:
                 assert table is not None
                 for block in table[first_sealed:last_sealed]:
@@ -139,10 +181,40 @@ class BlockLedger:
                         state[block] = BlockState.SEALED
                         self.generation[block] += 1
                         plan.seal.append(block)
+                        holder = writer.pop(block, None)
+                        if holder is not None:
+                            self._writing[holder].discard(block)
         if read_budget != 0:
             running = [r for r in requests if not r.fresh and r.num_computed >= bs]
             plan.read_verify = self._reads(running, read_budget)
+        checked = plan.seal + plan.verify + plan.read_verify
+        if checked:
+            self.checked_at[checked] = now
         return plan
+
+    def _own(self, block: int, req_id: str) -> None:
+        self.writer[block] = req_id
+        blocks = self._writing.get(req_id)
+        if blocks is None:
+            self._writing[req_id] = {block}
+        else:
+            blocks.add(block)
+
+    def release_request(self, req_id: str) -> None:
+        """A request gave its blocks back (finished or preempted): the blocks it was
+        still writing hold nothing anyone may read, so they are free again."""
+        for block in self._writing.pop(req_id, ()):
+            if self.writer.get(block) == req_id:
+                del self.writer[block]
+                if self.state[block] == BlockState.FILLING:
+                    self.state[block] = BlockState.FREE
+
+    def oldest_unverified_age(self, now: float) -> float:
+        """Seconds since the least recently sealed-or-verified sealed page was checked."""
+        sealed = self.state == BlockState.SEALED
+        if not sealed.any():
+            return 0.0
+        return max(0.0, now - float(self.checked_at[sealed].min()))
 
     def _reads(self, running: list[ScheduledRequest], budget: int | None) -> list[int]:
         """Sealed pages this step's attention reads, all of them or a rotating sample.
@@ -155,6 +227,7 @@ class BlockLedger:
         if not running:
             return []
         chosen: list[Sequence[int]] = []
+        owners: list[str] = []
         count = len(running)
         start = self._read_cursor % count
         left = budget
@@ -166,6 +239,7 @@ class BlockLedger:
                 table = (list(table[offset:]) + list(table[:offset]))[:left]
                 self._read_window[req.req_id] = offset + left
             chosen.append(table)
+            owners.append(req.req_id)
             if left is not None:
                 left -= len(table)
                 if left <= 0:
@@ -179,7 +253,16 @@ class BlockLedger:
         # One numpy pass instead of a Python test per page: keep sealed pages, first
         # occurrence of each (pages shared by several requests are read once).
         ids = np.fromiter(itertools.chain.from_iterable(chosen), dtype=np.int64)
-        ids = ids[self.state[ids] == BlockState.SEALED]
+        states = self.state[ids]
+        if (states == BlockState.FREE).any():
+            # A computed block of a running request that the ledger saw released: a
+            # stale block table. Rare, so the owner lookup is per block here.
+            which = np.repeat(np.arange(len(chosen)), [len(t) for t in chosen])
+            for i in np.flatnonzero(states == BlockState.FREE).tolist():
+                self.violations.append(
+                    LifecycleViolation(int(ids[i]), owners[which[i]], Violation.FREE_BLOCK_READ)
+                )
+        ids = ids[states == BlockState.SEALED]
         _, first = np.unique(ids, return_index=True)
         return ids[np.sort(first)].tolist()
 
@@ -189,7 +272,7 @@ class BlockLedger:
         self.state[new] = BlockState.QUARANTINED
         return new
 
-    def release(self, block_ids: Iterable[int]) -> None:
+    def release_quarantined(self, block_ids: Iterable[int]) -> None:
         """Return quarantined blocks to circulation (the quarantine is full)."""
         blocks = list(block_ids)
         self.state[blocks] = BlockState.FREE

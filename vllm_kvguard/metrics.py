@@ -41,9 +41,9 @@ SERIES = (
         "vllm:kvguard_verifications",
         "counter",
         "KV blocks verified against their seal, by trigger (reuse: a prefix-cache hit; sampled, "
-        "paranoid: pages running requests read).",
+        "paranoid: pages running requests read; scrub: sealed pages walked in the background).",
         "trigger",
-        ("reuse", "sampled", "paranoid"),
+        ("reuse", "sampled", "paranoid", "scrub"),
     ),
     Series(
         "bytes_hashed",
@@ -57,9 +57,30 @@ SERIES = (
         "corruptions",
         "vllm:kvguard_corruptions_detected",
         "counter",
-        "Corrupted KV blocks detected, by kind (checksum_mismatch: changed after it was sealed).",
+        "Corrupted KV blocks detected, by kind (checksum_mismatch: changed after it was sealed; "
+        "nonfinite: NaN/Inf in a page as it was sealed).",
         "kind",
-        ("checksum_mismatch",),
+        ("checksum_mismatch", "nonfinite"),
+    ),
+    Series(
+        "lifecycle_violations",
+        "vllm:kvguard_lifecycle_violations",
+        "counter",
+        "KV blocks used in a way only a scheduler bug explains, by what happened.",
+        "what",
+        (
+            "allocated_while_held",
+            "quarantined_block_allocated",
+            "quarantined_block_reused",
+            "free_block_in_block_table",
+        ),
+    ),
+    Series(
+        "oldest_unverified_age",
+        "vllm:kvguard_oldest_unverified_page_age_seconds",
+        "gauge",
+        "Seconds since the least recently checked sealed page was sealed or verified (scrubbing "
+        "keeps it under VLLM_KVGUARD_SCRUB_INTERVAL).",
     ),
     Series("quarantined", "vllm:kvguard_blocks_quarantined", "gauge", "KV blocks held out of circulation."),
     Series(

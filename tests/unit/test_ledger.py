@@ -1,4 +1,4 @@
-from vllm_kvguard.ledger import BlockLedger, BlockState, ScheduledRequest
+from vllm_kvguard.ledger import BlockLedger, BlockState, ScheduledRequest, Violation
 
 BS = 4
 
@@ -72,14 +72,14 @@ def test_quarantined_block_is_never_resealed_and_reuse_is_a_violation() -> None:
     ledger.plan([req("x", 4, 1, True, [2], [1, 2])])
     ledger.plan([req("y", 0, 1, True, [1], [1])])
     whats = [v.what for v in ledger.take_violations()]
-    assert whats == ["quarantined block reused", "quarantined block allocated"]
+    assert whats == ["quarantined_block_reused", "quarantined_block_allocated"]
     assert ledger.take_violations() == []
 
 
 def test_release_returns_block_to_circulation() -> None:
     ledger = BlockLedger(16, BS)
     ledger.quarantine([3])
-    ledger.release([3])
+    ledger.release_quarantined([3])
     assert ledger.state[3] == BlockState.FREE and ledger.quarantined() == 0
 
 
@@ -134,3 +134,49 @@ def test_reads_skip_unsealed_and_quarantined_pages() -> None:
     ledger, running = _running_ledger()
     ledger.quarantine([2])
     assert ledger.plan(running, read_budget=None).read_verify == [1, 3, 4, 5]
+
+
+def test_block_allocated_while_another_request_writes_it_names_both() -> None:
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 6, True, [1, 2], [1, 2])])  # a writes block 2 (half full)
+    ledger.plan([req("b", 0, 3, True, [2], [2])])  # the allocator hands 2 to b as well
+    (v,) = ledger.take_violations()
+    assert (v.block_id, v.req_id, v.holder, v.what) == (2, "b", "a", Violation.DOUBLE_ALLOCATION)
+    assert ledger.writer[2] == "b"
+
+
+def test_blocks_given_back_may_be_allocated_again() -> None:
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 6, True, [1, 2], [1, 2])])
+    ledger.release_request("a")  # finished: its half-written block 2 is free
+    assert ledger.state[2] == BlockState.FREE and ledger.state[1] == BlockState.SEALED
+    ledger.plan([req("b", 0, 3, True, [2], [2])])
+    ledger.plan([req("c", 0, 6, True, [3, 4], [3, 4])])
+    ledger.plan([req("d", 0, 1, True, [4], [4])], released=["c"])  # c preempted this step
+    assert ledger.take_violations() == []
+
+
+def test_sealed_blocks_have_no_writer() -> None:
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 8, True, [1, 2], [1, 2])])
+    assert ledger.writer == {}
+    ledger.plan([req("b", 0, 7, True, [1, 2], [1, 2])])  # evicted from the cache, reallocated
+    assert ledger.take_violations() == [] and ledger.writer == {2: "b"}
+
+
+def test_free_block_in_a_running_block_table_is_a_violation() -> None:
+    ledger, running = _running_ledger()
+    ledger.state[5] = BlockState.FREE  # the ledger saw block 5 given back
+    plan = ledger.plan(running, read_budget=None)
+    (v,) = ledger.take_violations()
+    assert (v.block_id, v.req_id, v.what) == (5, "b", Violation.FREE_BLOCK_READ)
+    assert 5 not in plan.read_verify
+
+
+def test_checked_at_tracks_seals_and_verifications() -> None:
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 8, True, [1, 2], [1, 2])], now=10.0)
+    assert ledger.oldest_unverified_age(15.0) == 5.0
+    ledger.plan([req("b", 4, 1, True, [3], [1, 3])], now=12.0)  # block 1 verified on reuse
+    assert ledger.checked_at[1] == 12.0 and ledger.oldest_unverified_age(15.0) == 5.0
+    assert BlockLedger(4, BS).oldest_unverified_age(3.0) == 0.0

@@ -1,0 +1,70 @@
+"""Scrubbing: sealed pages verified round-robin in the background of serving.
+
+A page that sits in the prefix cache is only verified when a request reuses
+it; a bit that flips while nobody reads it waits there. The scrubber, like a
+ZFS scrub, walks the sealed pages in block order and hands a few to each step's
+verification, so that every sealed page is verified at least once every
+``interval`` seconds at steady state.
+
+It spends no more than it must: each step it earns ``sealed pages x elapsed /
+interval`` pages of credit, capped by the per-step budget, and scrubs the whole
+pages the credit buys. When the budget cannot keep up (too many pages for the
+interval) :attr:`Scrubber.behind` says so, and the oldest-unverified-page age
+(:meth:`vllm_kvguard.ledger.BlockLedger.oldest_unverified_age`) grows past the
+interval. Scrubbing runs inside engine steps: an idle engine does not scrub
+(every prefix-cache hit is still verified before it is read).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_kvguard.ledger import BlockLedger, BlockState
+
+_WINDOW = 4096  # blocks scanned per slice when looking for sealed pages
+
+
+class Scrubber:
+    def __init__(self, interval_s: float, max_pages_per_step: int) -> None:
+        if interval_s <= 0 or max_pages_per_step < 1:
+            raise ValueError("scrubbing needs an interval > 0 and at least one page per step")
+        self.interval_s = interval_s
+        self.max_pages = max_pages_per_step
+        self.behind = False
+        self._credit = 0.0
+        self._last: float | None = None
+        self._cursor = 0
+
+    def select(self, ledger: BlockLedger, now: float) -> list[int]:
+        """The sealed pages to verify this step (marked verified in the ledger)."""
+        last, self._last = self._last, now
+        if last is None:
+            return []
+        sealed = int(np.count_nonzero(ledger.state == BlockState.SEALED))
+        earned = sealed * max(0.0, now - last) / self.interval_s
+        self.behind = earned > self.max_pages
+        self._credit = min(self._credit + earned, float(self.max_pages))
+        want = int(self._credit)
+        if want == 0 or sealed == 0:
+            return []
+        self._credit -= want
+        out = self._next_sealed(ledger.state, min(want, sealed))
+        ledger.checked_at[out] = now
+        return out
+
+    def _next_sealed(self, state: np.ndarray, want: int) -> list[int]:
+        n = len(state)
+        out: list[int] = []
+        scanned = 0
+        cursor = self._cursor % n
+        while len(out) < want and scanned < n:
+            end = min(n, cursor + _WINDOW)
+            found = np.flatnonzero(state[cursor:end] == BlockState.SEALED)
+            take = found[: want - len(out)]
+            out.extend((take + cursor).tolist())
+            scanned += end - cursor
+            cursor = cursor + int(take[-1]) + 1 if len(take) < len(found) else end
+            if cursor >= n:
+                cursor = 0
+        self._cursor = cursor
+        return out
