@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -965,6 +966,23 @@ class KVGuardConnector(KVConnectorBase_V1):
             self.exporter.close()
 
 
+class KVGuardHMAConnector(KVGuardConnector, SupportsHMA):
+    """The guard for engines that keep vLLM's hybrid KV cache manager.
+
+    With one KV cache group it guards as usual. With several (a hybrid model) vLLM
+    cannot map a bad block back to requests (``_handle_invalid_blocks`` refuses
+    several groups), so the guard stands aside: ``kvguard_inactive`` at start-up,
+    nothing sealed, serving unchanged (docs/design.md, "Hybrid models").
+    """
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self.active and block_ids:
+            return self.request_finished(request, block_ids[0])
+        return False, None
+
+
 def _install_scheduler_hook() -> None:
     """Put the corruption message into ``stop_reason`` of requests failed in raise mode.
 
@@ -1025,4 +1043,10 @@ def _fail_requests(scheduler: Any, guard: KVGuardConnector, outputs: dict[int, A
         )
 
 
-__all__ = ["KVGuardConnector", "KVGuardMetadata", "KVGuardWorkerMetadata", "find_guard"]
+__all__ = [
+    "KVGuardConnector",
+    "KVGuardHMAConnector",
+    "KVGuardMetadata",
+    "KVGuardWorkerMetadata",
+    "find_guard",
+]

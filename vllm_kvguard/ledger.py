@@ -127,6 +127,27 @@ class BlockLedger:
         bs = self.block_size
         state = self.state
         writer = self.writer
+        # Allocations first: a request may hit, in this same step, a block that a request
+        # listed after it is given (vLLM caches a block as soon as its tokens are scheduled).
+        for req in requests:
+            for block in req.new_block_ids:
+                s = state[block]
+                if s == BlockState.QUARANTINED:
+                    self.violations.append(
+                        LifecycleViolation(block, req.req_id, Violation.QUARANTINED_ALLOCATED)
+                    )
+                    continue
+                if s == BlockState.SEALED:
+                    plan.forget.append(block)
+                elif s == BlockState.FILLING:
+                    holder = writer.get(block)
+                    if holder is not None and holder != req.req_id:
+                        self.violations.append(
+                            LifecycleViolation(block, req.req_id, Violation.DOUBLE_ALLOCATION, holder)
+                        )
+                        self._writing[holder].discard(block)
+                state[block] = BlockState.FILLING
+                self._own(block, req.req_id)
         for req in requests:
             hits = req.num_computed // bs if req.fresh else 0
             first_sealed = req.num_computed // bs
@@ -156,24 +177,6 @@ class BlockLedger:
                         if s == BlockState.FREE:
                             state[block] = BlockState.FILLING
                             self._own(block, req.req_id)
-            for block in req.new_block_ids:
-                s = state[block]
-                if s == BlockState.QUARANTINED:
-                    self.violations.append(
-                        LifecycleViolation(block, req.req_id, Violation.QUARANTINED_ALLOCATED)
-                    )
-                    continue
-                if s == BlockState.SEALED:
-                    plan.forget.append(block)
-                elif s == BlockState.FILLING:
-                    holder = writer.get(block)
-                    if holder is not None and holder != req.req_id:
-                        self.violations.append(
-                            LifecycleViolation(block, req.req_id, Violation.DOUBLE_ALLOCATION, holder)
-                        )
-                        self._writing[holder].discard(block)
-                state[block] = BlockState.FILLING
-                self._own(block, req.req_id)
             if last_sealed > first_sealed:
                 assert table is not None
                 for block in table[first_sealed:last_sealed]:

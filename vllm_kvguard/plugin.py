@@ -20,6 +20,9 @@ from typing import Any
 from vllm_kvguard.config import KVGuardConfig, Mode, load_config
 
 CONNECTOR = "KVGuardConnector"
+# The same guard declaring vLLM's SupportsHMA, for engines that run the hybrid KV
+# cache manager (explicitly asked for, or needed by a hybrid SSM model).
+HMA_CONNECTOR = "KVGuardHMAConnector"
 MODULE = "vllm_kvguard.connector"
 
 
@@ -29,8 +32,9 @@ def register() -> None:
 
     # By name too: vLLM looks connectors up by class name on its stats path under a
     # MultiConnector, where the module path is not consulted.
-    if CONNECTOR not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR, MODULE, CONNECTOR)
+    for name in (CONNECTOR, HMA_CONNECTOR):
+        if name not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(name, MODULE, name)
 
     if getattr(EngineArgs.create_engine_config, "_kvguard", False):
         return
@@ -40,11 +44,33 @@ def register() -> None:
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         config = load_config()
         if config.enabled:
-            self.kv_transfer_config = compose_kv_transfer_config(self.kv_transfer_config, config)
+            self.kv_transfer_config = compose_kv_transfer_config(
+                self.kv_transfer_config, config, hma=_needs_hybrid_manager(self)
+            )
         return original(self, *args, **kwargs)
 
     create_engine_config._kvguard = True  # type: ignore[attr-defined]
     EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+
+
+def _needs_hybrid_manager(engine_args: Any) -> bool:
+    """Whether vLLM must keep its hybrid KV cache manager for this engine.
+
+    A connector without ``SupportsHMA`` makes vLLM turn the manager off. For most
+    models that is what the guard wants: one KV cache group, every page guarded
+    (sliding-window layers then keep full-length KV, which vLLM warns costs memory).
+    But an operator who asked for the manager explicitly gets a start-up error
+    from vLLM, and hybrid SSM models (Jamba, Bamba, ...) cannot start without it:
+    there the guard takes the ``SupportsHMA`` form and stands aside when the
+    engine has several KV cache groups (``kvguard_inactive`` at start-up).
+    """
+    if getattr(engine_args, "disable_hybrid_kv_cache_manager", None) is False:
+        return True
+    try:
+        return bool(engine_args.create_model_config().is_hybrid)
+    except Exception:
+        # The engine's own configuration step reports whatever is wrong with the model.
+        return False
 
 
 def _as_dict(ktc: Any) -> dict[str, Any]:
@@ -66,12 +92,12 @@ def _failure_policy(config: KVGuardConfig, user_policy: str | None) -> str:
     return user_policy or "recompute"
 
 
-def compose_kv_transfer_config(ktc: Any, config: KVGuardConfig) -> Any:
+def compose_kv_transfer_config(ktc: Any, config: KVGuardConfig, *, hma: bool = False) -> Any:
     """The user's KV transfer config with the guard added (idempotent)."""
     from vllm.config import KVTransferConfig
 
     ours = {
-        "kv_connector": CONNECTOR,
+        "kv_connector": HMA_CONNECTOR if hma else CONNECTOR,
         "kv_connector_module_path": MODULE,
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"kvguard": config.to_dict()},
@@ -79,11 +105,13 @@ def compose_kv_transfer_config(ktc: Any, config: KVGuardConfig) -> Any:
     user = _as_dict(ktc)
     user_connector = user.get("kv_connector")
     policy = _failure_policy(config, user.get("kv_load_failure_policy") if user else None)
-    if not user_connector or user_connector == CONNECTOR:
+    if not user_connector or user_connector in (CONNECTOR, HMA_CONNECTOR):
         return KVTransferConfig(**ours, kv_load_failure_policy=policy)
     if user_connector == "MultiConnector":
         extra = dict(user.get("kv_connector_extra_config") or {})
-        children = [c for c in extra.get("connectors", []) if c.get("kv_connector") != CONNECTOR]
+        children = [
+            c for c in extra.get("connectors", []) if c.get("kv_connector") not in (CONNECTOR, HMA_CONNECTOR)
+        ]
         extra["connectors"] = [*children, ours]
         user["kv_connector_extra_config"] = extra
         user["kv_load_failure_policy"] = policy

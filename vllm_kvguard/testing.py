@@ -21,11 +21,18 @@ def _guard() -> Any:
     return guard
 
 
-def flip_bit(_worker: Any, block_id: int, layer: int = 0, byte: int = 0, bit: int = 0) -> list[str]:
-    """Flip one bit of one page in this worker's KV memory; return the layer names."""
+def flip_bit(
+    _worker: Any, block_id: int, layer: int = 0, byte: int = 0, bit: int = 0, rank: int | None = None
+) -> list[str]:
+    """Flip one bit of one page in this worker's KV memory; return the layer names.
+
+    ``rank``: only the worker of that rank flips (the others return their names).
+    """
     import torch
 
     guard = _guard()
+    if rank is not None and guard.rank != rank:
+        return guard.pages.names
     page = guard.pages.page(block_id, layer).view(torch.uint8).reshape(-1)
     page[byte] ^= 1 << bit
     return guard.pages.names

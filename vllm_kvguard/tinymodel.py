@@ -29,8 +29,16 @@ def build_tiny_model(
     heads: int = 4,
     kv_heads: int = 2,
     seed: int = 0,
+    family: str = "llama",
+    nan_word: int | None = None,
 ) -> Path:
-    """Write a random-weight Llama and its tokenizer to ``path`` (idempotent)."""
+    """Write a random-weight model and its tokenizer to ``path`` (idempotent).
+
+    ``family="gemma2"`` builds a Gemma-2 with sliding-window and full-attention
+    layers (two kinds of KV cache: a hybrid layout for vLLM's hybrid allocator).
+    ``nan_word``: the embedding of word ``w<nan_word>`` is NaN, a stand-in for a
+    model that computes non-finite KV (every page written after it holds NaN).
+    """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -43,6 +51,8 @@ def build_tiny_model(
         "kv_heads": kv_heads,
         "seed": seed,
         "version": 1,
+        **({"family": family} if family != "llama" else {}),
+        **({"nan_word": nan_word} if nan_word is not None else {}),
     }
     marker = out / _MARKER
     if marker.exists() and json.loads(marker.read_text()) == spec:
@@ -55,23 +65,37 @@ def build_tiny_model(
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out)
 
-    config = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.25,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-    )
+    common = {
+        "vocab_size": len(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "initializer_range": 0.25,
+        "torch_dtype": "bfloat16",
+    }
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if family == "gemma2":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        kinds = ["sliding_attention", "full_attention"]
+        layer_types = [kinds[i % 2] for i in range(layers)]
+        model = Gemma2ForCausalLM(
+            Gemma2Config(**common, pad_token_id=0, sliding_window=64, layer_types=layer_types)
+        )
+    elif family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    else:
+        raise ValueError(f"family={family!r}: expected llama or gemma2")
+    model = model.to(torch.bfloat16)
+    if nan_word is not None:
+        with torch.no_grad():
+            model.get_input_embeddings().weight[vocab[f"w{nan_word}"]] = float("nan")
     model.save_pretrained(out)
     marker.write_text(json.dumps(spec))
     return out

@@ -48,6 +48,10 @@ def test_switch_off_values(value: str) -> None:
         ("VLLM_KVGUARD_LOG_LEVEL", "loud", "DEBUG | INFO | WARNING | ERROR"),
         ("VLLM_KVGUARD_INJECT", "meteor:count=1", "bitflip | overwrite | zero | nan"),
         ("VLLM_KVGUARD_MDOE", "raise", "VLLM_KVGUARD_MODE"),
+        ("VLLM_KVGUARD_SCRUB_INTERVAL", "soon", "a duration such as 300, 30s, 5m or 1h"),
+        ("VLLM_KVGUARD_SCRUB_INTERVAL", "-5s", "0 or off: no scrubbing"),
+        ("VLLM_KVGUARD_SCRUB_BUDGET", "0", "a positive size in bytes"),
+        ("VLLM_KVGUARD_NONFINITE", "raise", "mode | log | off"),
     ],
 )
 def test_bad_values_name_variable_value_and_accepted(variable: str, value: str, accepted: str) -> None:
@@ -73,3 +77,23 @@ def test_metrics_port() -> None:
     assert load_config({"VLLM_KVGUARD_METRICS_PORT": ""}).metrics_port is None
     with pytest.raises(KVGuardConfigError, match="a TCP port number 1-65535"):
         load_config({"VLLM_KVGUARD_METRICS_PORT": "99999"})
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [("300", 300.0), ("30s", 30.0), ("0.5s", 0.5), ("5m", 300.0), ("1h", 3600.0), ("off", 0.0)],
+)
+def test_scrub_interval(value: str, seconds: float) -> None:
+    assert load_config({"VLLM_KVGUARD_SCRUB_INTERVAL": value}).scrub_interval_s == seconds
+
+
+@pytest.mark.parametrize(
+    ("mode", "nonfinite", "effective"),
+    [("raise", "mode", Mode.RAISE), ("quarantine", "log", Mode.LOG), ("quarantine", "off", None)],
+)
+def test_nonfinite_action_follows_the_mode_unless_told(
+    mode: str, nonfinite: str, effective: Mode | None
+) -> None:
+    config = load_config({"VLLM_KVGUARD_MODE": mode, "VLLM_KVGUARD_NONFINITE": nonfinite})
+    assert config.nonfinite_mode == effective
+    assert KVGuardConfig.from_dict(config.to_dict()) == config

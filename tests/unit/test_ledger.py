@@ -180,3 +180,13 @@ def test_checked_at_tracks_seals_and_verifications() -> None:
     ledger.plan([req("b", 4, 1, True, [3], [1, 3])], now=12.0)  # block 1 verified on reuse
     assert ledger.checked_at[1] == 12.0 and ledger.oldest_unverified_age(15.0) == 5.0
     assert BlockLedger(4, BS).oldest_unverified_age(3.0) == 0.0
+
+
+def test_same_step_hit_on_a_block_allocated_later_in_the_step_is_no_violation() -> None:
+    """vLLM lists new requests before running ones: b hits block 3, which a (listed
+    after b) is given in this same step. Not a double allocation."""
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 8, True, [1, 2], [1, 2])])
+    ledger.plan([req("b", 12, 2, True, [4], [1, 2, 3, 4]), req("a", 8, 6, False, [3, 5], [1, 2, 3, 5])])
+    assert ledger.take_violations() == []
+    assert ledger.writer.get(3) is None and ledger.state[3] == BlockState.SEALED

@@ -4,7 +4,7 @@ import pytest
 from vllm.config import KVTransferConfig
 
 from vllm_kvguard.config import load_config
-from vllm_kvguard.plugin import compose_kv_transfer_config
+from vllm_kvguard.plugin import _needs_hybrid_manager, compose_kv_transfer_config
 
 
 def _config(mode: str = "quarantine"):
@@ -57,3 +57,29 @@ def test_log_mode_keeps_the_users_policy() -> None:
         kv_connector="OffloadingConnector", kv_role="kv_both", kv_load_failure_policy="fail"
     )
     assert compose_kv_transfer_config(user, _config("log")).kv_load_failure_policy == "fail"
+
+
+def test_hybrid_manager_engines_get_the_hma_form_of_the_guard() -> None:
+    ktc = compose_kv_transfer_config(None, _config(), hma=True)
+    assert ktc.kv_connector == "KVGuardHMAConnector"
+    again = compose_kv_transfer_config(ktc, _config())
+    assert again.kv_connector == "KVGuardConnector"  # not nested in a MultiConnector
+
+
+class _Args:
+    def __init__(self, disable: bool | None, hybrid: bool | None) -> None:
+        self.disable_hybrid_kv_cache_manager = disable
+        self.hybrid = hybrid
+
+    def create_model_config(self):
+        if self.hybrid is None:
+            raise OSError("no such model")
+        return type("ModelConfig", (), {"is_hybrid": self.hybrid})()
+
+
+@pytest.mark.parametrize(
+    ("disable", "hybrid", "needed"),
+    [(False, False, True), (None, True, True), (None, False, False), (True, True, True), (None, None, False)],
+)
+def test_when_the_hybrid_manager_is_needed(disable: bool | None, hybrid: bool | None, needed: bool) -> None:
+    assert _needs_hybrid_manager(_Args(disable, hybrid)) is needed
