@@ -187,12 +187,11 @@ class BlockLedger:
                         holder = writer.pop(block, None)
                         if holder is not None:
                             self._writing[holder].discard(block)
+        if plan.seal or plan.verify:
+            self.checked_at[plan.seal + plan.verify] = now
         if read_budget != 0:
             running = [r for r in requests if not r.fresh and r.num_computed >= bs]
-            plan.read_verify = self._reads(running, read_budget)
-        checked = plan.seal + plan.verify + plan.read_verify
-        if checked:
-            self.checked_at[checked] = now
+            plan.read_verify = self._reads(running, read_budget, now)
         return plan
 
     def _own(self, block: int, req_id: str) -> None:
@@ -219,7 +218,7 @@ class BlockLedger:
             return 0.0
         return max(0.0, now - float(self.checked_at[sealed].min()))
 
-    def _reads(self, running: list[ScheduledRequest], budget: int | None) -> list[int]:
+    def _reads(self, running: list[ScheduledRequest], budget: int | None, now: float) -> list[int]:
         """Sealed pages this step's attention reads, all of them or a rotating sample.
 
         Sampling rotates over requests and, inside a request longer than the budget,
@@ -267,7 +266,9 @@ class BlockLedger:
                 )
         ids = ids[states == BlockState.SEALED]
         _, first = np.unique(ids, return_index=True)
-        return ids[np.sort(first)].tolist()
+        ids = ids[np.sort(first)]
+        self.checked_at[ids] = now
+        return ids.tolist()
 
     def quarantine(self, block_ids: Iterable[int]) -> list[int]:
         """Mark blocks quarantined; return those that were not already."""

@@ -22,6 +22,7 @@ import numpy as np
 from vllm_kvguard.ledger import BlockLedger, BlockState
 
 _WINDOW = 4096  # blocks scanned per slice when looking for sealed pages
+_RECOUNT_S = 0.25  # how often the number of sealed pages is recounted (an O(blocks) pass)
 
 
 class Scrubber:
@@ -34,13 +35,18 @@ class Scrubber:
         self._credit = 0.0
         self._last: float | None = None
         self._cursor = 0
+        self._sealed = 0
+        self._counted_at = float("-inf")
 
     def select(self, ledger: BlockLedger, now: float) -> list[int]:
         """The sealed pages to verify this step (marked verified in the ledger)."""
         last, self._last = self._last, now
         if last is None:
             return []
-        sealed = int(np.count_nonzero(ledger.state == BlockState.SEALED))
+        if now - self._counted_at >= _RECOUNT_S:
+            self._sealed = int(np.count_nonzero(ledger.state == BlockState.SEALED))
+            self._counted_at = now
+        sealed = self._sealed
         earned = sealed * max(0.0, now - last) / self.interval_s
         self.behind = earned > self.max_pages
         self._credit = min(self._credit + earned, float(self.max_pages))

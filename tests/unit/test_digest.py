@@ -108,3 +108,26 @@ def test_per_layer_digest() -> None:
     assert (pages.digest_layer(0, [2, 3]) == before[:, 0]).all()
     assert (pages.digest_layer(1, [2, 3]) != before[:, 1]).tolist() == [False, True]
     assert pages.digest_layer(0, []).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_finds_exactly_the_pages_with_nan_or_inf(dtype: torch.dtype, bad: float) -> None:
+    kv = (torch.randn(6, 2, 4, 8) * 100).to(dtype)
+    kv[1, 1, 3, 7] = bad  # last element of a page
+    kv[4, 0, 0, 0] = bad  # first element
+    kv[2] = torch.finfo(dtype).max  # largest finite values are finite
+    kv[3] = -0.0
+    pages = (
+        KVPages({"a": kv, "b": kv[:, :, :, :5]}, block_dim=0)
+        if dtype == torch.float64
+        else KVPages({"a": kv})
+    )
+    found = pages.nonfinite([0, 1, 2, 3, 4, 5])
+    assert found[:, 0].tolist() == [False, True, False, False, True, False]
+    assert pages.nonfinite([]).shape == (0, pages.num_layers)
+
+
+def test_nonfinite_ignores_integer_caches() -> None:
+    pages = KVPages({"a": torch.full((3, 16), 255, dtype=torch.uint8)})
+    assert not pages.nonfinite([0, 1, 2]).any()
