@@ -728,7 +728,7 @@ class KVGuardConnector(KVConnectorBase_V1):
             self.counters.add("faults_injected", label=str(inj.kind))
             self.log.event(
                 "kv_fault_injected",
-                FaultInjected(inj.fault_id, str(inj.kind), inj.block_id, inj.layer, plan.step),
+                FaultInjected(inj.fault_id, str(inj.kind), inj.block_id, inj.layer, plan.step, str(inj.at)),
                 level="warning",
             )
 

@@ -25,7 +25,10 @@ from vllm_kvguard.config import Mode
 from vllm_kvguard.faults import parse_fault_spec
 from vllm_kvguard.workload import Workload
 
-DEFAULT_SPEC = "bitflip:count=3,seed=11;overwrite:count=1,seed=12;zero:count=1,seed=13;nan:count=1,seed=14"
+DEFAULT_SPEC = (
+    "bitflip:count=3,seed=11;overwrite:count=1,seed=12;zero:count=1,seed=13;nan:count=1,seed=14;"
+    "nan:at=write,count=1,seed=15"
+)
 ENGINE_ARGS: dict[str, Any] = {
     "dtype": "bfloat16",
     "enforce_eager": True,
@@ -54,6 +57,7 @@ class DrillReport:
     by_kind: dict[str, KindRow] = field(default_factory=dict)
     quarantined: int = 0
     corrupted_blocks: int = 0
+    nonfinite_blocks: int = 0
     requests_recomputed: int = 0
     requests_failed: int = 0
     outputs_identical: int = 0
@@ -81,6 +85,11 @@ class DrillReport:
         return out
 
 
+def row_key(kind: str, at: str) -> str:
+    """The table's row for a fault: its kind, with ``@write`` for a fault at write time."""
+    return kind if at == "rest" else f"{kind}@{at}"
+
+
 def _ts(line: dict[str, Any]) -> float:
     return datetime.fromisoformat(line["timestamp"].replace("Z", "+00:00")).timestamp()
 
@@ -96,7 +105,7 @@ def summarize(
     """Account for every fault from the guard's log lines (pure: no engine here)."""
     report = DrillReport(mode=mode, spec=spec, requests=len(reference))
     for fault in parse_fault_spec(spec):
-        report.by_kind.setdefault(str(fault.kind), KindRow())
+        report.by_kind.setdefault(row_key(str(fault.kind), str(fault.at)), KindRow())
     kinds: dict[int, str] = {}
     injected_at: dict[int, float] = {}
     outcome: dict[int, tuple[str, float]] = {}
@@ -104,12 +113,14 @@ def summarize(
     for line in log_lines:
         event = line.get("event")
         if event == "kv_fault_injected":
-            kinds[line["fault_id"]] = line["kind"]
+            kinds[line["fault_id"]] = row_key(line["kind"], line.get("at", "rest"))
             injected_at[line["fault_id"]] = _ts(line)
         elif event == "kv_fault_outcome":
             outcome.setdefault(line["fault_id"], (line["outcome"], _ts(line)))
         elif event == "kv_block_corrupted" and line.get("role") == "scheduler":
             report.corrupted_blocks += 1
+        elif event == "kv_block_nonfinite":
+            report.nonfinite_blocks += 1
         elif event == "kv_block_quarantined" and line.get("pinned"):
             report.quarantined += 1
         elif event == "kv_request_affected":
@@ -156,6 +167,7 @@ def render(report: DrillReport) -> str:
         "",
         f"mode                          {report.mode}",
         f"corrupted blocks detected     {report.corrupted_blocks}",
+        f"non-finite pages at write     {report.nonfinite_blocks}",
         f"blocks quarantined            {report.quarantined}",
         f"requests recomputed / failed  {report.requests_recomputed} / {report.requests_failed}",
         f"outputs identical to clean    {report.outputs_identical} / {report.requests}",

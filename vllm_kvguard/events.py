@@ -93,6 +93,7 @@ class FaultInjected:
     block_id: int
     layer: int
     step: int
+    at: str = "rest"  # rest: a sealed idle page; write: a page being sealed, before its seal
 
 
 @dataclass(frozen=True)

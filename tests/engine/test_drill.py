@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine.harness import read_log
+from vllm_kvguard.drill import row_key
 
 pytestmark = pytest.mark.engine
 KVGUARD = [sys.executable, "-m", "vllm_kvguard.cli"]
@@ -25,18 +26,23 @@ def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_drill_detects_every_fault_kind_that_is_read(tiny_model: str, tmp_path: Path) -> None:
-    spec = "bitflip:count=2,seed=5;overwrite:count=1,seed=6;zero:count=1,seed=7;nan:count=1,seed=8"
+    spec = (
+        "bitflip:count=2,seed=5;overwrite:count=1,seed=6;zero:count=1,seed=7;nan:count=1,seed=8;"
+        "nan:at=write,count=1,seed=9"
+    )
     proc = _run(["drill", "--model", tiny_model, "--json", "--workdir", str(tmp_path), "--inject", spec])
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     log = read_log(tmp_path / "kvguard.jsonl")
     injected = [line for line in log if line["event"] == "kv_fault_injected"]
     # The table agrees with what the engine says it injected, kind by kind.
-    expected = {"bitflip": 2, "overwrite": 1, "zero": 1, "nan": 1}
+    expected = {"bitflip": 2, "overwrite": 1, "zero": 1, "nan": 1, "nan@write": 1}
     assert {k: row["injected"] for k, row in report["by_kind"].items()} == expected
-    assert sorted(line["kind"] for line in injected) == sorted(
+    assert sorted(row_key(line["kind"], line["at"]) for line in injected) == sorted(
         k for k, n in expected.items() for _ in range(n)
     )
+    # The write-time fault is read by the check at its seal, in the same step: always detected.
+    assert report["by_kind"]["nan@write"]["detected"] == 1 and report["nonfinite_blocks"] == 1
     for kind, row in report["by_kind"].items():
         assert row["escaped"] == 0, kind
         assert row["read"] == row["detected"], kind
@@ -46,10 +52,11 @@ def test_drill_detects_every_fault_kind_that_is_read(tiny_model: str, tmp_path: 
     # Each detected fault is a corrupted block in the log, quarantined, and the
     # readers recomputed: outputs are identical to plain vLLM.
     corrupted = {line["block_id"] for line in log if line["event"] == "kv_block_corrupted"}
+    nonfinite = {line["block_id"] for line in log if line["event"] == "kv_block_nonfinite"}
     outcomes = {line["fault_id"]: line["outcome"] for line in log if line["event"] == "kv_fault_outcome"}
     for line in injected:
         if outcomes.get(line["fault_id"]) == "detected":
-            assert line["block_id"] in corrupted
+            assert line["block_id"] in (nonfinite if line["at"] == "write" else corrupted)
     assert report["quarantined"] == len(corrupted) == report["corrupted_blocks"]
     assert report["requests_recomputed"] >= 1 and report["requests_failed"] == 0
     assert report["outputs_identical"] == report["requests"] == 16

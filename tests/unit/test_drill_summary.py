@@ -30,6 +30,19 @@ def test_summary_accounts_for_every_fault() -> None:
     assert "FAIL" in render(report)
 
 
+def test_write_time_faults_have_their_own_row() -> None:
+    lines = [
+        _line("kv_fault_injected", 1.0, fault_id=1, kind="nan", at="rest"),
+        _line("kv_fault_injected", 2.0, fault_id=2, kind="nan", at="write"),
+        _line("kv_block_nonfinite", 2.0, block_id=4),
+        _line("kv_fault_outcome", 2.0, fault_id=2, outcome="detected"),
+    ]
+    report = summarize(lines, ["a"], ["a"], mode="quarantine", spec="nan;nan:at=write")
+    assert report.by_kind["nan@write"].detected == 1 and report.by_kind["nan"].not_read == 1
+    assert report.nonfinite_blocks == 1 and report.ok
+    assert "nan@write" in render(report) and "non-finite pages at write     1" in render(report)
+
+
 def test_clean_summary_passes() -> None:
     report = summarize([], ["a"], ["a"], mode="log", spec="zero")
     assert report.ok and report.by_kind["zero"].injected == 0

@@ -66,3 +66,19 @@ def test_outcomes_detected_escaped_not_read_no_change() -> None:
     assert tracker.faults[ids[1]].detected and not tracker.faults[ids[2]].detected
     assert tracker.faults[ids[3]].discarded and not tracker.faults[ids[3]].read
     assert tracker.verified(7, {1}) == []
+
+
+def test_write_time_faults_are_nan_only_and_read_at_once() -> None:
+    from vllm_kvguard.errors import KVGuardConfigError
+    from vllm_kvguard.faults import FaultSite
+
+    (spec,) = parse_fault_spec("nan:at=write")
+    assert spec.at == FaultSite.WRITE
+    for bad, why in [("bitflip:at=write", "at=write needs kind nan"), ("nan:at=later", "not rest or write")]:
+        with pytest.raises(KVGuardConfigError, match=why):
+            parse_fault_spec(bad)
+    tracker = FaultTracker(parse_fault_spec("nan:at=write;zero"))
+    assert tracker.inject(1, [5, 6], 2, FaultSite.WRITE)[0].at == FaultSite.WRITE
+    (rest,) = tracker.inject(1, [7], 2)  # the other spec, at rest
+    assert rest.kind == FaultKind.ZERO
+    assert tracker.verified(1, {5, 6}) == [(1, True)]  # read by the seal check of step 1
