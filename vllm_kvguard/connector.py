@@ -370,6 +370,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                     "num_blocks": self.pages.num_blocks,
                     "bytes_per_block": self.pages.bytes_per_block,
                     "on_host": self.pages.on_host,
+                    "digest": self.pages.digest_name,
                     "block_dim": block_dim,
                 },
             ),

@@ -99,6 +99,13 @@ def _nonfinite_rows(rows: torch.Tensor) -> torch.Tensor:
     return words.add_(low).bitwise_and_(sign).any(dim=1)
 
 
+def _kernel_runs(device: torch.device, runs: list[list[tuple[int, int]]]) -> bool:
+    from vllm_kvguard.kernel import kernel_available
+
+    # KVG64 hashes runs as one string only when every run but the last is whole words.
+    return kernel_available(device) and all(n % 8 == 0 for layer in runs for _, n in layer[:-1])
+
+
 class KVPages:
     """The guarded KV tensors, seen as pages addressable by (block id, layer).
 
@@ -113,6 +120,7 @@ class KVPages:
         *,
         block_dim: int = 0,
         algorithm: HashAlgorithm = HashAlgorithm.XXH3_64,
+        use_kernel: bool | None = None,
     ) -> None:
         seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
         self.names: list[str] = []
@@ -131,18 +139,25 @@ class KVPages:
         self._hash = _ONE_SHOT[algorithm]
         self._stream = _STREAMING[algorithm]
         self.on_host = all(t.device.type == "cpu" for t in self.tensors)
-        if not self.on_host:
+        self._runs = [_page_runs(t[0]) for t in self.tensors]
+        # Pages off the host are hashed where they live, by the KVG64 kernel (kernel.py), with
+        # no copy; ``use_kernel`` forces the choice (tests run the kernel on CPU tensors under
+        # TRITON_INTERPRET=1). Where it cannot run, pages are copied to the host (slow path).
+        if use_kernel is None:
+            use_kernel = not self.on_host and _kernel_runs(self.tensors[0].device, self._runs)
+        self.use_kernel = use_kernel
+        self.digest_name = "kvg64" if use_kernel else str(algorithm)
+        if not self.on_host and not use_kernel:
             warnings.warn(
-                "vllm-kvguard: KV cache is not in host memory; pages are copied to the "
-                "host to be hashed (slow path).",
+                "vllm-kvguard: KV cache is not in host memory and the page-digest kernel cannot "
+                "run here; pages are copied to the host to be hashed (slow path).",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        self._views = [_byte_view(t) if self.on_host else None for t in self.tensors]
+        self._views = [_byte_view(t) if self.on_host and not use_kernel else None for t in self.tensors]
         elsize = [t.element_size() for t in self.tensors]
         self._base = [t.storage_offset() * e for t, e in zip(self.tensors, elsize, strict=True)]
         self._stride = [t.stride(0) * e for t, e in zip(self.tensors, elsize, strict=True)]
-        self._runs = [_page_runs(t[0]) for t in self.tensors]
         self.page_bytes = [sum(n for _, n in r) for r in self._runs]
 
     @property
@@ -168,6 +183,12 @@ class KVPages:
 
     def _digest_layer(self, layer: int, block_ids: Sequence[int]) -> list[int]:
         runs = self._runs[layer]
+        if self.use_kernel:
+            from vllm_kvguard.kernel import kvg64_pages
+
+            # One launch per layer for all the step's pages; .cpu() waits for it.
+            on_device = kvg64_pages(self.tensors[layer], block_ids, runs).cpu()
+            return on_device.view(torch.int64).numpy().view(np.uint64).tolist()
         if not self.on_host:
             pages = self.tensors[layer][torch.as_tensor(block_ids, device=self.tensors[layer].device)]
             host = pages.contiguous().cpu()
