@@ -409,8 +409,7 @@ class KVGuardConnector(KVConnectorBase_V1):
         blocks = self.table.sealed_only(block_ids)
         mismatches = self.table.compare(blocks, self.pages.digest(blocks), self.pages.names)
         out = self._worker_meta()
-        if trigger == "reuse":
-            out.verified_steps.add(meta.step)
+        out.verified_steps.add(meta.step)
         self.worker_counters.add("verified", len(blocks), label=trigger)
         self.worker_counters.add("bytes_hashed", len(blocks) * self.pages.bytes_per_block, label="verify")
         self.worker_counters.observe("verify_seconds", time.perf_counter() - start)
@@ -719,7 +718,8 @@ class KVGuardConnector(KVConnectorBase_V1):
         assert self.faults is not None
         for fid in self.faults.allocated(plan.forget):
             self.log.event("kv_fault_outcome", FaultOutcome(fid, "not_read", plan.step))
-        self.faults.verifying(plan.step, plan.verify)
+        # A fault is read when its page is verified: reused, or walked by the scrubber.
+        self.faults.verifying(plan.step, plan.verify + meta.scrub)
         blocks = self.block_pool.blocks
         candidates = self.ledger.idle_sealed(lambda b: blocks[b].ref_cnt > 0 or blocks[b].block_hash is None)
         meta.inject = self.faults.inject(plan.step, candidates, self._num_layers)

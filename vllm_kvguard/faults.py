@@ -191,8 +191,9 @@ class Injection:
 class FaultTracker:
     """Scheduler-side bookkeeping of a fire drill: what was injected and what became of it.
 
-    A fault is *read* when a request reuses its page (the ledger plans a verify
-    of that block), *detected* when that verification reports the block, and
+    A fault is *read* when its page is verified (a request reuses it, or the scrubber
+    walks it; for a fault at write, by the check at its seal), *detected* when that
+    verification reports the block, and
     *escaped* when it was read and the worker verified it clean. A page handed to a
     new writer before anyone read it ends the fault as *not_read*.
     """
