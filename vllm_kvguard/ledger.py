@@ -93,9 +93,14 @@ class BlockLedger:
         self.generation = np.zeros(num_blocks, dtype=np.uint32)
         # When each block was last sealed or verified (the caller's clock): scrub age.
         self.checked_at = np.zeros(num_blocks, dtype=np.float64)
-        # Who writes each FILLING block, and the reverse: the lifecycle audit.
-        self.writer: dict[int, str] = {}
-        self._writing: dict[str, set[int]] = {}
+        # Who writes each FILLING block (an interned request number, -1: nobody), and the
+        # blocks each request was given: the lifecycle audit. Arrays, so that a step's
+        # allocations and seals are a few numpy calls per request, not Python per block.
+        self.writer_of = np.full(num_blocks, -1, dtype=np.int64)
+        self._numbers: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+        self._given: dict[int, list[np.ndarray]] = {}
+        self._next_number = 0
         self.step = 0
         self.violations: list[LifecycleViolation] = []
         self._read_cursor = 0
@@ -126,67 +131,27 @@ class BlockLedger:
         plan = StepPlan(self.step)
         bs = self.block_size
         state = self.state
-        writer = self.writer
         # Allocations first: a request may hit, in this same step, a block that a request
         # listed after it is given (vLLM caches a block as soon as its tokens are scheduled).
         for req in requests:
-            for block in req.new_block_ids:
-                s = state[block]
-                if s == BlockState.QUARANTINED:
-                    self.violations.append(
-                        LifecycleViolation(block, req.req_id, Violation.QUARANTINED_ALLOCATED)
-                    )
-                    continue
-                if s == BlockState.SEALED:
-                    plan.forget.append(block)
-                elif s == BlockState.FILLING:
-                    holder = writer.get(block)
-                    if holder is not None and holder != req.req_id:
-                        self.violations.append(
-                            LifecycleViolation(block, req.req_id, Violation.DOUBLE_ALLOCATION, holder)
-                        )
-                        self._writing[holder].discard(block)
-                state[block] = BlockState.FILLING
-                self._own(block, req.req_id)
+            if len(req.new_block_ids):
+                self._allocate(req.req_id, np.asarray(req.new_block_ids, dtype=np.int64), plan)
         for req in requests:
             hits = req.num_computed // bs if req.fresh else 0
             first_sealed = req.num_computed // bs
             last_sealed = (req.num_computed + req.num_new) // bs
-            table: Sequence[int] | None = None
-            if hits or last_sealed > first_sealed:
-                table = req.block_ids()
+            if not hits and last_sealed <= first_sealed:
+                continue
+            table = req.block_ids()
             if hits:
-                assert table is not None
-                for block in table[:hits]:
-                    s = state[block]
-                    if s == BlockState.SEALED:
-                        readers = plan.readers.get(block)
-                        if readers is None:
-                            plan.readers[block] = [req.req_id]
-                            plan.verify.append(block)
-                        else:
-                            readers.append(req.req_id)
-                    elif s == BlockState.QUARANTINED:
-                        self.violations.append(
-                            LifecycleViolation(block, req.req_id, Violation.QUARANTINED_REUSED)
-                        )
-                    else:
-                        # Filled by another request in this same step (not sealed yet), or
-                        # loaded by another KV connector: not verified.
-                        plan.unverified_hits += 1
-                        if s == BlockState.FREE:
-                            state[block] = BlockState.FILLING
-                            self._own(block, req.req_id)
+                self._hit(req.req_id, np.asarray(table[:hits], dtype=np.int64), plan)
             if last_sealed > first_sealed:
-                assert table is not None
-                for block in table[first_sealed:last_sealed]:
-                    if state[block] != BlockState.QUARANTINED:
-                        state[block] = BlockState.SEALED
-                        self.generation[block] += 1
-                        plan.seal.append(block)
-                        holder = writer.pop(block, None)
-                        if holder is not None:
-                            self._writing[holder].discard(block)
+                blocks = np.asarray(table[first_sealed:last_sealed], dtype=np.int64)
+                blocks = blocks[state[blocks] != BlockState.QUARANTINED]
+                state[blocks] = BlockState.SEALED
+                self.generation[blocks] += 1
+                self.writer_of[blocks] = -1
+                plan.seal.extend(blocks.tolist())
         if plan.seal or plan.verify:
             self.checked_at[plan.seal + plan.verify] = now
         if read_budget != 0:
@@ -194,22 +159,82 @@ class BlockLedger:
             plan.read_verify = self._reads(running, read_budget, now)
         return plan
 
-    def _own(self, block: int, req_id: str) -> None:
-        self.writer[block] = req_id
-        blocks = self._writing.get(req_id)
-        if blocks is None:
-            self._writing[req_id] = {block}
-        else:
-            blocks.add(block)
+    def _number(self, req_id: str) -> int:
+        number = self._numbers.get(req_id)
+        if number is None:
+            number = self._numbers[req_id] = self._next_number
+            self._next_number += 1
+            self._names[number] = req_id
+        return number
+
+    def _own(self, blocks: np.ndarray, req_id: str) -> None:
+        number = self._number(req_id)
+        self.state[blocks] = BlockState.FILLING
+        self.writer_of[blocks] = number
+        self._given.setdefault(number, []).append(blocks)
+
+    def _allocate(self, req_id: str, blocks: np.ndarray, plan: StepPlan) -> None:
+        states = self.state[blocks]
+        quarantined = states == BlockState.QUARANTINED
+        if quarantined.any():
+            for block in blocks[quarantined].tolist():
+                self.violations.append(LifecycleViolation(block, req_id, Violation.QUARANTINED_ALLOCATED))
+            blocks, states = blocks[~quarantined], states[~quarantined]
+        sealed = states == BlockState.SEALED
+        if sealed.any():
+            plan.forget.extend(blocks[sealed].tolist())
+        filling = blocks[states == BlockState.FILLING]
+        if len(filling):
+            holders = self.writer_of[filling]
+            me = self._numbers.get(req_id, -2)
+            stolen = (holders >= 0) & (holders != me)
+            for block, holder in zip(filling[stolen].tolist(), holders[stolen].tolist(), strict=True):
+                self.violations.append(
+                    LifecycleViolation(block, req_id, Violation.DOUBLE_ALLOCATION, self._names[holder])
+                )
+        self._own(blocks, req_id)
+
+    def _hit(self, req_id: str, blocks: np.ndarray, plan: StepPlan) -> None:
+        states = self.state[blocks]
+        for block in blocks[states == BlockState.SEALED].tolist():
+            readers = plan.readers.get(block)
+            if readers is None:
+                plan.readers[block] = [req_id]
+                plan.verify.append(block)
+            else:
+                readers.append(req_id)
+        quarantined = states == BlockState.QUARANTINED
+        if quarantined.any():
+            for block in blocks[quarantined].tolist():
+                self.violations.append(LifecycleViolation(block, req_id, Violation.QUARANTINED_REUSED))
+        # Filled by another request in this same step (not sealed yet), or loaded by
+        # another KV connector: read without a seal to verify against.
+        unsealed = (states == BlockState.FILLING) | (states == BlockState.FREE)
+        plan.unverified_hits += int(np.count_nonzero(unsealed))
+        free = blocks[states == BlockState.FREE]
+        if len(free):
+            self._own(free, req_id)
+
+    @property
+    def writer(self) -> dict[int, str]:
+        """{block: request writing it} for FILLING blocks (diagnostics and tests)."""
+        blocks = np.flatnonzero(self.writer_of >= 0)
+        return {int(b): self._names[int(self.writer_of[b])] for b in blocks}
 
     def release_request(self, req_id: str) -> None:
         """A request gave its blocks back (finished or preempted): the blocks it was
         still writing hold nothing anyone may read, so they are free again."""
-        for block in self._writing.pop(req_id, ()):
-            if self.writer.get(block) == req_id:
-                del self.writer[block]
-                if self.state[block] == BlockState.FILLING:
-                    self.state[block] = BlockState.FREE
+        number = self._numbers.pop(req_id, None)
+        if number is None:
+            return
+        del self._names[number]
+        given = self._given.pop(number, None)
+        if not given:
+            return
+        blocks = np.concatenate(given)
+        mine = blocks[self.writer_of[blocks] == number]
+        self.writer_of[mine] = -1
+        self.state[mine[self.state[mine] == BlockState.FILLING]] = BlockState.FREE
 
     def oldest_unverified_age(self, now: float) -> float:
         """Seconds since the least recently sealed-or-verified sealed page was checked."""
