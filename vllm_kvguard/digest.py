@@ -221,12 +221,15 @@ class KVPages:
         out = np.zeros((len(block_ids), self.num_layers), dtype=bool)
         if not block_ids:
             return out
-        for layer, tensor in enumerate(self.tensors):
-            if not tensor.is_floating_point():
-                continue
-            index = torch.as_tensor(block_ids, device=tensor.device)
-            pages = tensor.index_select(0, index).reshape(len(block_ids), -1)
-            out[:, layer] = _nonfinite_rows(pages).cpu().numpy()
+        # The index is built once, and the flags come back in one transfer (not one per layer).
+        index = torch.as_tensor(block_ids, device=self.tensors[0].device)
+        layers = [i for i, t in enumerate(self.tensors) if t.is_floating_point()]
+        if layers:
+            flags = [
+                _nonfinite_rows(self.tensors[i].index_select(0, index).reshape(len(block_ids), -1))
+                for i in layers
+            ]
+            out[:, layers] = torch.stack(flags, dim=1).cpu().numpy()
         return out
 
     def page(self, block_id: int, layer: int) -> torch.Tensor:
