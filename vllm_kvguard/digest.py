@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -159,6 +160,25 @@ class KVPages:
         self._base = [t.storage_offset() * e for t, e in zip(self.tensors, elsize, strict=True)]
         self._stride = [t.stride(0) * e for t, e in zip(self.tensors, elsize, strict=True)]
         self.page_bytes = [sum(n for _, n in r) for r in self._runs]
+        # Every layer in one launch, seals and comparisons on the device, results read
+        # later (DeviceDigestTable): when the layers share one page geometry, as the
+        # layers of one vLLM KV cache group do.
+        self.geometry = self._one_geometry() if use_kernel else None
+
+    def _one_geometry(self) -> Any:
+        from vllm_kvguard.kernel import PageGeometry
+
+        if any(r != self._runs[0] for r in self._runs):
+            return None
+        try:
+            return PageGeometry(self.tensors, self._runs[0])
+        except ValueError:
+            return None
+
+    @property
+    def deferred(self) -> bool:
+        """Whether seals and verifications stay on the device (see DeviceDigestTable)."""
+        return self.geometry is not None
 
     @property
     def num_layers(self) -> int:
@@ -171,8 +191,12 @@ class KVPages:
     def digest(self, block_ids: Sequence[int]) -> np.ndarray:
         """Digests of the given blocks, shape (len(block_ids), num_layers), uint64."""
         out = np.empty((len(block_ids), self.num_layers), dtype=np.uint64)
-        if not block_ids:
+        if not len(block_ids):
             return out
+        if self.geometry is not None:
+            # Every layer in one launch; .cpu() waits for it (the synchronous API).
+            ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.geometry.device)
+            return self.geometry.launch(ids)[0].cpu().view(torch.int64).numpy().view(np.uint64)
         for layer in range(self.num_layers):
             out[:, layer] = self._digest_layer(layer, block_ids)
         return out
@@ -253,6 +277,10 @@ class DigestTable:
         if len(block_ids):
             self.sealed[block_ids] = False
 
+    def host_digests(self, block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The seals of the given blocks, (blocks x layers) uint64 on the host (tests, tools)."""
+        return self.digests[np.asarray(block_ids, dtype=np.int64)]
+
     def sealed_only(self, block_ids: Sequence[int]) -> list[int]:
         if not len(block_ids):
             return []
@@ -271,3 +299,132 @@ class DigestTable:
             PageMismatch(int(block_ids[r]), names[c], int(expected[r, c]), int(actual[r, c]))
             for r, c in zip(rows.tolist(), cols.tolist(), strict=True)
         ]
+
+
+class PendingCheck:
+    """One launch's results, still on the device: read them when the step is over.
+
+    The flags (one byte per page and layer) are copied to pinned host memory in
+    the launch's stream order and an event is recorded after the copy; nothing
+    waits for them until :meth:`settle`, which the guard calls once vLLM itself
+    has waited for the step's output (or, non-blocking, when :meth:`ready`).
+    Digests are fetched only for flagged pages (the rare path).
+    """
+
+    def __init__(
+        self,
+        block_ids: Sequence[int],
+        flags: torch.Tensor,
+        actual: torch.Tensor,
+        expected: torch.Tensor | None,
+    ) -> None:
+        self.block_ids = list(block_ids)
+        self._flags, self._actual, self._expected = flags, actual, expected
+        self._event: Any = None
+        if flags.device.type == "cuda":
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._host_flags = host
+        else:
+            self._host_flags = flags
+        self._result: list[tuple[int, int, int, int, int]] | None = None
+
+    def ready(self) -> bool:
+        """Whether :meth:`settle` would not wait."""
+        return self._result is not None or self._event is None or bool(self._event.query())
+
+    @property
+    def settled(self) -> bool:
+        return self._result is not None
+
+    def settle(self) -> list[tuple[int, int, int, int, int]]:
+        """Flagged pages as (block id, layer, flags, actual digest, sealed digest); idempotent."""
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            flags = self._host_flags.numpy()
+            rows, cols = np.nonzero(flags)
+            result = []
+            if len(rows):
+                actual = self._actual.cpu().view(torch.int64).numpy().view(np.uint64)
+                expected = (
+                    self._expected.cpu().view(torch.int64).numpy().view(np.uint64)
+                    if self._expected is not None
+                    else None
+                )
+                for r, c in zip(rows.tolist(), cols.tolist(), strict=True):
+                    sealed = int(expected[r, c]) if expected is not None else 0
+                    result.append((self.block_ids[r], c, int(flags[r, c]), int(actual[r, c]), sealed))
+            self._result = result
+            self._flags = self._actual = self._expected = self._host_flags = None  # type: ignore[assignment]
+            self._event = None
+        return self._result
+
+
+class DeviceDigestTable(DigestTable):
+    """The seals on the device beside the KV cache; the sealed mask stays on the host.
+
+    Sealing stores the kernel's digests straight into the table and verifying
+    compares against it in the same launch (kernel.py), so neither moves a digest
+    to the host or waits: each returns a :class:`PendingCheck`.
+    """
+
+    def __init__(self, pages: KVPages) -> None:
+        assert pages.geometry is not None
+        super().__init__(0, pages.num_layers)
+        self.pages = pages
+        self.sealed = np.zeros(pages.num_blocks, dtype=bool)
+        self.device_digests = torch.zeros(
+            (pages.num_blocks, pages.num_layers), dtype=torch.uint64, device=pages.geometry.device
+        )
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor(list(block_ids), dtype=torch.int64)
+        device = self.device_digests.device
+        return ids.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids
+
+    def seal_async(
+        self, block_ids: Sequence[int], *, check_finite: bool = False, zero_nonfinite: bool = False
+    ) -> PendingCheck | None:
+        """Seal the pages; flags NaN/Inf when ``check_finite`` (else nothing to read back)."""
+        if not len(block_ids):
+            return None
+        from vllm_kvguard.kernel import SEAL
+
+        geometry = self.pages.geometry
+        assert geometry is not None
+        digests, flags = geometry.launch(
+            self._ids(block_ids),
+            mode=SEAL,
+            table=self.device_digests,
+            check_finite=check_finite,
+            zero_nonfinite=zero_nonfinite,
+        )
+        self.sealed[list(block_ids)] = True
+        return PendingCheck(block_ids, flags, digests, None) if check_finite else None
+
+    def verify_async(self, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> PendingCheck:
+        """Compare the pages with their seals on the device (all layers, or ``layers``)."""
+        from vllm_kvguard.kernel import VERIFY
+
+        ids = self._ids(block_ids)
+        assert self.pages.geometry is not None
+        actual, flags = self.pages.geometry.launch(ids, mode=VERIFY, table=self.device_digests, layers=layers)
+        expected = self.device_digests.index_select(0, ids)
+        if layers is not None:
+            expected = expected[:, list(layers)]
+        return PendingCheck(block_ids, flags, actual, expected)
+
+    def host_digests(self, block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=self.device_digests.device)
+        return self.device_digests.index_select(0, ids).cpu().view(torch.int64).numpy().view(np.uint64)
+
+    def seal(self, block_ids: Sequence[int], digests: np.ndarray) -> None:
+        """Host digests into the table (the synchronous path)."""
+        if len(block_ids):
+            self.device_digests[list(block_ids)] = (
+                torch.from_numpy(digests.view(np.int64)).to(self.device_digests.device).view(torch.uint64)
+            )
+            self.sealed[list(block_ids)] = True

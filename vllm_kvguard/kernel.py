@@ -87,19 +87,37 @@ if triton is not None:
 
     @triton.jit
     def _kvg64_kernel(  # type: ignore[no-untyped-def]
-        base_ptr,  # uint8: the tensor's whole storage
-        page_starts_ptr,  # int64 [pages]: byte offset of each page in the storage
+        base_ptr,  # uint8: the first layer's whole storage; every layer is addressed from it
+        layer_origins_ptr,  # int64 [layers]: byte offset of each layer's block 0 from base_ptr
+        layer_cols_ptr,  # int64 [launched layers]: which layer (table column) each program takes
+        block_ids_ptr,  # int64 [pages]
         run_offsets_ptr,  # int64 [runs]: byte offset of each run in a page
         run_lengths_ptr,  # int64 [runs]: bytes in each run
-        out_ptr,  # uint64 [pages]
+        table_ptr,  # uint64 [num_blocks, layers]: the seals (SEAL writes, VERIFY reads)
+        out_ptr,  # uint64 [pages, layers]: the digests computed
+        flags_ptr,  # int8 [pages, layers]: bit 0 digest != seal (VERIFY), bit 1 NaN/Inf
         num_runs,
         page_bytes,
+        page_stride,  # bytes between blocks
+        num_layers,  # columns of the table
+        exp_mask,  # int64: per-lane exponent mask (CHECK_FINITE)
+        exp_low,  # int64: per-lane lowest exponent bit
+        lane_sign,  # int64: per-lane sign bit
+        MODE: tl.constexpr,  # 0 digest, 1 seal (store into table), 2 verify (compare with table)
+        CHECK_FINITE: tl.constexpr,  # flag words holding NaN/Inf (whole-word pages only)
+        ZERO_NONFINITE: tl.constexpr,  # and overwrite those elements with zero
+        LANE_BITS: tl.constexpr,  # element width in bits (CHECK_FINITE)
         WORDS: tl.constexpr,  # every run starts and ends on an 8-byte boundary: load words
         BLOCK: tl.constexpr,
     ):
         page = tl.program_id(0)
-        start = tl.load(page_starts_ptr + page)
+        slot = tl.program_id(1)
+        launched = tl.num_programs(1)
+        layer = tl.load(layer_cols_ptr + slot)
+        block = tl.load(block_ids_ptr + page)
+        start = tl.load(layer_origins_ptr + layer) + block * page_stride
         acc = tl.zeros([BLOCK], dtype=tl.uint64)
+        bad = tl.zeros([BLOCK], dtype=tl.uint64)
         lanes = tl.arange(0, BLOCK)
         byte_lanes = tl.arange(0, 8)
         first_word = start * 0  # int64 zero: word index of the run's first word in the page
@@ -122,10 +140,29 @@ if triton is not None:
                 a = (a << 31) | (a >> 33)
                 a = _avalanche_tl(a * 0x9E3779B185EBCA87)
                 acc += tl.where(live, a, 0)
+                if CHECK_FINITE:
+                    # (x & mask) + low sets a lane's sign bit iff all its exponent bits are set.
+                    hit = ((x & exp_mask.to(tl.uint64)) + exp_low.to(tl.uint64)) & lane_sign.to(tl.uint64)
+                    bad |= tl.where(live, hit, 0)
+                    if ZERO_NONFINITE:
+                        # Spread each flagged lane's sign bit over the lane, clear those lanes.
+                        fill = (hit >> (LANE_BITS - 1)) * ((1 << LANE_BITS) - 1)
+                        words_ptr = (base_ptr + start + offset).to(tl.pointer_type(tl.uint64))
+                        tl.store(words_ptr + index, x & ~fill, mask=live & (hit != 0))
             first_word += num_words
         h = tl.sum(acc, axis=0)
         h = h ^ (page_bytes.to(tl.uint64) * 0x165667B19E3779F9)
-        tl.store(out_ptr + page, _avalanche_tl(h))
+        digest = _avalanche_tl(h)
+        tl.store(out_ptr + page * launched + slot, digest)
+        flag = tl.zeros([1], dtype=tl.int8).sum(axis=0)
+        if MODE == 1:
+            tl.store(table_ptr + block * num_layers + layer, digest)
+        if MODE == 2:
+            sealed = tl.load(table_ptr + block * num_layers + layer)
+            flag = flag | (sealed != digest).to(tl.int8)
+        if CHECK_FINITE:
+            flag = flag | ((tl.max(bad, axis=0) != 0).to(tl.int8) * 2)
+        tl.store(flags_ptr + page * launched + slot, flag)
 
 
 def kernel_available(device: torch.device) -> bool:
@@ -139,35 +176,138 @@ def kernel_available(device: torch.device) -> bool:
     return device.type in ("cuda", "xpu")
 
 
+# (exponent mask, lowest exponent bit, element bits) of the float KV dtypes the
+# non-finite test knows; integer and fp8 caches are not tested (fp8 e4m3 has no Inf
+# and its NaN is a single pattern; quantised caches hold no NaN).
+FINITE_TESTS = {
+    torch.bfloat16: (0x7F80, 0x0080, 16),
+    torch.float16: (0x7C00, 0x0400, 16),
+    torch.float32: (0x7F800000, 0x00800000, 32),
+}
+
+DIGEST, SEAL, VERIFY = 0, 1, 2
+MISMATCH, NONFINITE = 1, 2
+
+
+def _lanes(pattern: int, bits: int) -> int:
+    word = 0
+    for shift in range(0, 64, bits):
+        word |= pattern << shift
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+class PageGeometry:
+    """Where a set of equally shaped KV tensors keep their pages, for one kernel launch.
+
+    ``tensors`` have blocks on dim 0 and the same page layout (runs, block stride,
+    dtype); ``runs`` are each page's contiguous byte runs (offset from the page
+    start, length), as :func:`vllm_kvguard.digest._page_runs` gives them. The
+    layers are addressed from the first one's storage by byte offsets, so one
+    launch covers every layer of a step's pages.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], runs: Sequence[tuple[int, int]]) -> None:
+        if triton is None:
+            raise RuntimeError("the KVG64 kernel needs Triton")
+        for _, length in runs[:-1]:
+            if length % 8:
+                raise ValueError("KVG64 needs every run but the last to be a multiple of 8 bytes")
+        first = tensors[0]
+        self.device = first.device
+        self.dtype = first.dtype
+        elsize = first.element_size()
+        self.page_stride = first.stride(0) * elsize
+        for t in tensors[1:]:
+            if t.dtype != first.dtype or t.stride(0) * elsize != self.page_stride or t.device != self.device:
+                raise ValueError("one launch needs layers of one dtype, block stride and device")
+        storage = first.untyped_storage()
+        self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
+            storage, 0, (storage.nbytes(),), (1,)
+        )
+        origins = [t.data_ptr() - storage.data_ptr() for t in tensors]
+        self.num_layers = len(tensors)
+        self.origins = torch.tensor(origins, dtype=torch.int64, device=self.device)
+        self._cols: dict[tuple[int, ...] | None, torch.Tensor] = {
+            None: torch.arange(self.num_layers, dtype=torch.int64, device=self.device)
+        }
+        self.offsets = torch.tensor([o for o, _ in runs], dtype=torch.int64, device=self.device)
+        self.lengths = torch.tensor([n for _, n in runs], dtype=torch.int64, device=self.device)
+        self.num_runs = len(runs)
+        self.page_bytes = sum(n for _, n in runs)
+        self.words = all(o % 8 == 0 for o in origins) and self.page_stride % 8 == 0
+        self.words = self.words and all(o % 8 == 0 and n % 8 == 0 for o, n in runs)
+        self.finite_test = FINITE_TESTS.get(self.dtype) if self.words else None
+
+    def launch(
+        self,
+        block_ids: torch.Tensor,
+        *,
+        mode: int = DIGEST,
+        table: torch.Tensor | None = None,
+        check_finite: bool = False,
+        zero_nonfinite: bool = False,
+        layers: Sequence[int] | None = None,
+        block: int = 1024,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One launch over ``block_ids`` (int64, on the device) x every layer (or ``layers``).
+
+        Returns ``(digests, flags)``, uint64 and int8 tensors of shape
+        (pages, launched layers) on the device, not synchronised: the caller decides when
+        the host looks at them. ``mode`` SEAL also stores the digests into
+        ``table`` (uint64 [num_blocks, layers]); VERIFY compares them with it and
+        sets bit ``MISMATCH`` in ``flags``. ``check_finite`` sets bit
+        ``NONFINITE`` for pages holding NaN/Inf (bf16, fp16, fp32 on whole-word
+        pages) and ``zero_nonfinite`` overwrites those elements with zero.
+        """
+        pages = int(block_ids.numel())
+        key = tuple(layers) if layers is not None else None
+        cols = self._cols.get(key)
+        if cols is None:
+            cols = self._cols[key] = torch.tensor(list(key or ()), dtype=torch.int64, device=self.device)
+        launched = int(cols.numel())
+        out = torch.empty((pages, launched), dtype=torch.uint64, device=self.device)
+        flags = torch.zeros((pages, launched), dtype=torch.int8, device=self.device)
+        if mode != DIGEST and (table is None or table.shape[1] != self.num_layers):
+            raise ValueError("seal and verify need a digest table of shape (num_blocks, layers)")
+        if pages == 0 or launched == 0:
+            return out, flags
+        test = self.finite_test if check_finite else None
+        mask, low, bits = test if test is not None else (0, 0, 16)
+        _kvg64_kernel[(pages, launched)](
+            self.base,
+            self.origins,
+            cols,
+            block_ids,
+            self.offsets,
+            self.lengths,
+            table if table is not None else out,
+            out,
+            flags,
+            self.num_runs,
+            self.page_bytes,
+            self.page_stride,
+            self.num_layers,
+            _lanes(mask, bits),
+            _lanes(low, bits),
+            _lanes(1 << (bits - 1), bits),
+            MODE=mode,
+            CHECK_FINITE=test is not None,
+            ZERO_NONFINITE=test is not None and zero_nonfinite,
+            LANE_BITS=bits,
+            WORDS=self.words,
+            BLOCK=block,
+        )
+        return out, flags
+
+
 def kvg64_pages(
     tensor: torch.Tensor, block_ids: Sequence[int], runs: Sequence[tuple[int, int]], block: int = 1024
 ) -> torch.Tensor:
     """KVG64 of pages ``tensor[b]`` for ``b`` in ``block_ids``, one launch, on ``tensor``'s device.
 
-    ``tensor`` has blocks on dim 0; ``runs`` are each page's contiguous byte runs
-    (offset from the page start, length), as :func:`vllm_kvguard.digest._page_runs`
-    gives them. Returns a uint64 tensor on the same device; the caller decides
-    when to bring it to the host.
+    ``tensor`` has blocks on dim 0. Returns a uint64 tensor on the same device;
+    the caller decides when to bring it to the host.
     """
-    if triton is None:
-        raise RuntimeError("the KVG64 kernel needs Triton")
-    device = tensor.device
-    elsize = tensor.element_size()
-    for _, length in runs[:-1]:
-        if length % 8:
-            raise ValueError("KVG64 needs every run but the last to be a multiple of 8 bytes")
-    storage = tensor.untyped_storage()
-    base = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
-    origin = tensor.storage_offset() * elsize
-    stride = tensor.stride(0) * elsize
-    starts = torch.tensor([origin + b * stride for b in block_ids], dtype=torch.int64, device=device)
-    offsets = torch.tensor([o for o, _ in runs], dtype=torch.int64, device=device)
-    lengths = torch.tensor([n for _, n in runs], dtype=torch.int64, device=device)
-    aligned = origin % 8 == 0 and stride % 8 == 0 and all(o % 8 == 0 and n % 8 == 0 for o, n in runs)
-    out = torch.empty(len(block_ids), dtype=torch.uint64, device=device)
-    if len(block_ids):
-        page_bytes = sum(n for _, n in runs)
-        _kvg64_kernel[(len(block_ids),)](
-            base, starts, offsets, lengths, out, len(runs), page_bytes, WORDS=aligned, BLOCK=block
-        )
-    return out
+    geometry = PageGeometry([tensor], runs)
+    ids = torch.tensor(list(block_ids), dtype=torch.int64, device=tensor.device)
+    return geometry.launch(ids, block=block)[0][:, 0]

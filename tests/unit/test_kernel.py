@@ -24,3 +24,30 @@ def test_kernel_cases_pass_under_the_triton_interpreter() -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) >= 19 and "skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+BENCH = CASES.parent.parent.parent / "benchmarks" / "device_bench.py"
+
+
+def test_device_bench_runs_its_checks_under_the_interpreter() -> None:
+    """The GPU benchmark's own code path (seal, verify, settle, digest check) on tiny sizes."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    args = ["--device", "cpu", "--blocks", "6", "--layers", "2", "--kv-heads", "2", "--head-size", "16"]
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), *args, "--repeats", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "2 layers x 6 pages" in proc.stdout and "seal / copy = " in proc.stdout
+
+
+def test_device_bench_says_so_without_a_gpu() -> None:
+    import torch
+
+    if torch.cuda.is_available():  # pragma: no cover - a GPU machine measures instead
+        return
+    proc = subprocess.run([sys.executable, str(BENCH)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "no GPU here" in proc.stderr
