@@ -49,6 +49,9 @@ class NonFiniteAction(StrEnum):
 class HashAlgorithm(StrEnum):
     XXH3_64 = "xxh3_64"
     XXH64 = "xxh64"
+    # The device digest (kernel.py); chosen by itself for KV caches on a GPU. Asking for it
+    # forces the kernel path (on CPU only under TRITON_INTERPRET=1: how tests run it).
+    KVG64 = "kvg64"
 
 
 class LogFormat(StrEnum):

@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from vllm_kvguard.config import KVGuardConfig, Mode, VerifyPolicy, load_config
-from vllm_kvguard.digest import DigestTable, KVPages
+from vllm_kvguard.digest import DeviceDigestTable, DigestTable, KVPages, PendingCheck
 from vllm_kvguard.errors import KVCacheCorruptionError
 from vllm_kvguard.events import (
     Action,
@@ -101,9 +101,28 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
     unchanged_faults: list[int] = field(default_factory=list)
     internal_errors: list[str] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=dict)  # GuardCounters.to_dict()
+    # Blocks to report unreadable that were found after get_block_ids_with_load_errors
+    # ran (device checks, settled with the step's output); see settle_output().
+    invalid: set[int] = field(default_factory=set)
+    # Device checks of this step, still on the device (never pickled: settled first).
+    pending: list[DeferredDetections] = field(default_factory=list)
+
+    def settle(self) -> KVGuardWorkerMetadata:
+        """Turn the device checks into detections (waits for them if still running)."""
+        for deferred in self.pending:
+            self.detections.extend(deferred.detections())
+            self.invalid |= deferred.invalid()
+        self.pending = []
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled (to the engine process) after vLLM has waited for the step's output.
+        return self.settle().__dict__.copy()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVGuardWorkerMetadata)
+        self.settle()
+        other.settle()
         counters = GuardCounters.from_dict(self.counters)
         counters.absorb(other.counters)
         return KVGuardWorkerMetadata(
@@ -112,7 +131,47 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
             unchanged_faults=sorted(set(self.unchanged_faults) | set(other.unchanged_faults)),
             internal_errors=self.internal_errors + other.internal_errors,
             counters=counters.to_dict(),
+            invalid=self.invalid | other.invalid,
         )
+
+
+@dataclass
+class DeferredDetections:
+    """A device check and what the detections it may turn into need to say."""
+
+    check: PendingCheck
+    rank: int
+    names: list[str]
+    trigger: str
+    step: int
+    readers: dict[int, list[str]]
+    kind: str  # "checksum_mismatch" (verify) or "nonfinite" (seal)
+    report_invalid: bool
+
+    def detections(self) -> list[Detection]:
+        from vllm_kvguard.kernel import MISMATCH, NONFINITE
+
+        bit = NONFINITE if self.kind == "nonfinite" else MISMATCH
+        return [
+            Detection(
+                self.rank,
+                block,
+                self.names[layer],
+                expected if bit == MISMATCH else 0,
+                actual if bit == MISMATCH else 0,
+                tuple(self.readers.get(block, ())),
+                self.trigger,
+                self.step,
+                self.kind,
+            )
+            for block, layer, flags, actual, expected in self.check.settle()
+            if flags & bit
+        ]
+
+    def invalid(self) -> set[int]:
+        if not self.report_invalid or self.kind == "nonfinite":
+            return set()
+        return {d.block_id for d in self.detections()}
 
 
 @dataclass
@@ -342,6 +401,10 @@ class KVGuardConnector(KVConnectorBase_V1):
             self._read_expected = np.zeros((0, 0), dtype=np.uint64)
             self._read_seconds = 0.0
             self._num_blocks = num_blocks
+            # Device checks: this step's (shipped in the worker metadata) and the ones
+            # not yet settled (their worker-side effect, forgetting bad seals, waits).
+            self._step_checks: list[DeferredDetections] = []
+            self._unsettled: list[DeferredDetections] = []
 
     # ------------------------------------------------------------------ worker
 
@@ -352,14 +415,36 @@ class KVGuardConnector(KVConnectorBase_V1):
         # The block dimension is the one sized num_blocks: 0 on CPU, 1 for the
         # (2, num_blocks, ...) GPU layouts.
         block_dim = next((d for d, n in enumerate(first.shape) if n == self._num_blocks and d < 2), 0)
-        self.pages = KVPages(kv_caches, block_dim=block_dim, algorithm=self.config.hash)
+        from vllm_kvguard.config import HashAlgorithm
+        from vllm_kvguard.kernel import kernel_available
+
+        first_t = first.movedim(block_dim, 0)
+        use_kernel: bool | None = None
+        if self.config.hash == HashAlgorithm.KVG64:
+            if not kernel_available(first_t.device):
+                raise RuntimeError(
+                    "VLLM_KVGUARD_HASH=kvg64 needs the Triton page-digest kernel, which cannot run "
+                    f"on {first_t.device.type!r} here (on CPU only under TRITON_INTERPRET=1); "
+                    "use xxh3_64 or xxh64, or leave the variable unset"
+                )
+            use_kernel = True
+        self.pages = KVPages(
+            kv_caches,
+            block_dim=block_dim,
+            algorithm=HashAlgorithm.XXH3_64 if self.config.hash == HashAlgorithm.KVG64 else self.config.hash,
+            use_kernel=use_kernel,
+        )
         by_storage = {t.data_ptr(): i for i, t in enumerate(self.pages.tensors)}
         self._layer_index = {
             name: by_storage[t.movedim(block_dim, 0).data_ptr()]
             for name, t in kv_caches.items()
             if t.movedim(block_dim, 0).data_ptr() in by_storage
         }
-        self.table = DigestTable(self.pages.num_blocks, self.pages.num_layers)
+        self.table = (
+            DeviceDigestTable(self.pages)
+            if self.pages.deferred
+            else DigestTable(self.pages.num_blocks, self.pages.num_layers)
+        )
         self.log.event(
             "kvguard_started",
             GuardStarted(
@@ -371,6 +456,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                     "bytes_per_block": self.pages.bytes_per_block,
                     "on_host": self.pages.on_host,
                     "digest": self.pages.digest_name,
+                    "deferred": self.pages.deferred,
                     "block_dim": block_dim,
                 },
             ),
@@ -383,6 +469,8 @@ class KVGuardConnector(KVConnectorBase_V1):
         meta = connector_metadata
         if self.table is None or not isinstance(meta, KVGuardMetadata):
             return
+        if self._unsettled:
+            self._apply_settled(wait=False)
         # Before the forward: this step's prefix hits are read by its attention.
         self.table.forget(meta.forget)
         if meta.verify:
@@ -399,14 +487,52 @@ class KVGuardConnector(KVConnectorBase_V1):
             # Resolved once per step, reused by every layer's hook.
             # Resolved once per step (blocks, their seals), reused by every layer's hook.
             self._read_blocks = self.table.sealed_only(meta.read_verify)
-            self._read_expected = self.table.digests[self._read_blocks]
+            if not self.pages.deferred:
+                self._read_expected = self.table.digests[self._read_blocks]
             self._read_seconds = 0.0
             self.worker_counters.add("verified", len(self._read_blocks), label=meta.read_trigger)
+
+    def _defer(
+        self, check: PendingCheck | None, trigger: str, step: int, readers: dict[int, list[str]], kind: str
+    ) -> None:
+        """Keep a device check for the step's output (see KVGuardWorkerMetadata.settle)."""
+        if check is None:
+            return
+        assert self.pages is not None
+        deferred = DeferredDetections(
+            check, self.rank, self.pages.names, trigger, step, readers, kind, self.config.mode != Mode.LOG
+        )
+        self._step_checks.append(deferred)
+        self._unsettled.append(deferred)
+
+    def _apply_settled(self, *, wait: bool) -> None:
+        """Forget the seals of pages a settled device check found bad (as _verify does at once)."""
+        assert self.table is not None
+        keep = []
+        for deferred in self._unsettled:
+            if not (wait or deferred.check.settled or deferred.check.ready()):
+                keep.append(deferred)
+                continue
+            bad = deferred.invalid()
+            if bad:
+                self.table.forget(sorted(bad))
+        self._unsettled = keep
 
     def _verify(self, meta: KVGuardMetadata, block_ids: list[int], trigger: str) -> None:
         assert self.pages is not None and self.table is not None
         start = time.perf_counter()
         blocks = self.table.sealed_only(block_ids)
+        if isinstance(self.table, DeviceDigestTable):
+            # On the device: compared in the kernel, read back with the step's output.
+            if blocks:
+                self._defer(
+                    self.table.verify_async(blocks), trigger, meta.step, meta.readers, "checksum_mismatch"
+                )
+            self._worker_meta().verified_steps.add(meta.step)
+            self.worker_counters.add("verified", len(blocks), label=trigger)
+            self.worker_counters.add("bytes_hashed", len(blocks) * self.pages.bytes_per_block, label="verify")
+            self.worker_counters.observe("verify_seconds", time.perf_counter() - start)
+            return
         mismatches = self.table.compare(blocks, self.pages.digest(blocks), self.pages.names)
         out = self._worker_meta()
         out.verified_steps.add(meta.step)
@@ -467,6 +593,15 @@ class KVGuardConnector(KVConnectorBase_V1):
         start = time.perf_counter()
         blocks = self._read_blocks
         bad: set[int] = set()
+        if isinstance(self.table, DeviceDigestTable):
+            if blocks:
+                every = len(layers) == self.pages.num_layers
+                check = self.table.verify_async(blocks, None if every else layers)
+                if not every:
+                    # Flags come back by launched column: map them to the real layer.
+                    check = _Columns(check, list(layers))
+                self._defer(check, meta.read_trigger, meta.step, {}, "checksum_mismatch")
+            layers = []
         for layer in layers:
             actual = self.pages.digest_layer(layer, blocks)
             expected = self._read_expected[:, layer]
@@ -500,15 +635,43 @@ class KVGuardConnector(KVConnectorBase_V1):
     ) -> None:
         return
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # The guard hands no KV off: vLLM must not drop a preempted request's in-flight
+        # output on its account (kv_role kv_both would otherwise make it a producer).
+        return False
+
+    @_fail_open(lambda self: None)
+    def finish_forward(self) -> None:
+        # The model no longer reads this step's KV (called by the GPU model runner right
+        # after the forward, before the step's connector output is collected).
+        self._finish_reads()
+
+    def _finish_reads(self) -> None:
+        if self._reads_left and self._connector_metadata is not None:
+            # Layers whose attention hook did not run: skipped without attention metadata,
+            # or the whole forward replayed as one CUDA graph (no per-layer Python hooks).
+            layers, self._reads_left = sorted(self._reads_left), set()
+            self._verify_reads(layers)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM's sleep mode discards the KV cache: no seal describes the pages after wake-up."""
+        if self.table is not None:
+            self._apply_settled(wait=True)
+            dropped = int(self.table.sealed.sum())
+            self.table.forget(np.flatnonzero(self.table.sealed).tolist())
+            self.log.line("kvguard_seals_dropped", reason="kv_cache_unregistered", pages=dropped)
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up the same tensors hold the KV cache again; pages are sealed anew as written."""
+        return
+
     @_fail_open(lambda self: None)
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if self.table is None or self.pages is None or not isinstance(meta, KVGuardMetadata):
             return
-        if self._reads_left:
-            # Layers whose attention hook did not run (it is skipped without attention metadata).
-            layers, self._reads_left = sorted(self._reads_left), set()
-            self._verify_reads(layers)
+        self._finish_reads()
         # After the forward: the pages whose last slot was written this step are final.
         at_rest = []
         for injection in meta.inject:
@@ -516,7 +679,20 @@ class KVGuardConnector(KVConnectorBase_V1):
                 self._inject(injection)
             else:
                 at_rest.append(injection)
-        if meta.seal:
+        if meta.seal and isinstance(self.table, DeviceDigestTable):
+            check_finite = self.config.nonfinite_mode is not None
+            if check_finite and meta.inject:
+                self._worker_meta().verified_steps.add(meta.step)
+            check = self.table.seal_async(
+                meta.seal,
+                check_finite=check_finite,
+                zero_nonfinite=check_finite and self.config.nonfinite_mode != Mode.LOG,
+            )
+            self._defer(check, "seal", meta.step, {}, "nonfinite")
+            self.worker_counters.add(
+                "bytes_hashed", len(meta.seal) * self.pages.bytes_per_block, label="seal"
+            )
+        elif meta.seal:
             if self.config.nonfinite_mode is not None:
                 self._check_finite(meta)
             self.table.seal(meta.seal, self.pages.digest(meta.seal))
@@ -584,6 +760,10 @@ class KVGuardConnector(KVConnectorBase_V1):
         if not self.worker_counters.empty():
             self._worker_meta().counters = self.worker_counters.to_dict()
             self.worker_counters = GuardCounters()
+        if self._step_checks:
+            # Read back after vLLM waits for the step's output, not here (no added sync).
+            self._worker_meta().pending.extend(self._step_checks)
+            self._step_checks = []
         out, self._pending_worker_meta = self._pending_worker_meta, None
         return out
 
@@ -697,11 +877,13 @@ class KVGuardConnector(KVConnectorBase_V1):
                 )
             )
         cached = so.scheduled_cached_reqs
+        resumed_ids = getattr(cached, "resumed_req_ids", None) or ()
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             added = new_ids[0] if new_ids else []
             nc = cached.num_computed_tokens[i]
-            resumed = req_id in cached.resumed_req_ids
+            # vLLM 0.34 sends resumed requests in full with the new ones (no resumed_req_ids).
+            resumed = req_id in resumed_ids
             out.append(
                 ScheduledRequest(
                     req_id,
@@ -738,6 +920,7 @@ class KVGuardConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KVGuardWorkerMetadata):
             return
+        meta.settle()
         self.counters.absorb(meta.counters)
         for error in meta.internal_errors:
             self.counters.add("internal_errors")
@@ -1006,6 +1189,8 @@ def _install_scheduler_hook() -> None:
 
     @functools.wraps(original)
     def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runner_output = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
+        settle_output(getattr(runner_output, "kv_connector_output", None))
         outputs = original(self, *args, **kwargs)
         guard = find_guard(getattr(self, "connector", None))
         if guard is None:
@@ -1024,6 +1209,47 @@ def _install_scheduler_hook() -> None:
 
     update_from_output._kvguard = True  # type: ignore[attr-defined]
     Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+
+
+def _guard_worker_meta(meta: object) -> KVGuardWorkerMetadata | None:
+    if isinstance(meta, KVGuardWorkerMetadata):
+        return meta
+    for child in getattr(meta, "metadata", None) or ():
+        if isinstance(child, KVGuardWorkerMetadata):
+            return child
+    return None
+
+
+def settle_output(connector_output: Any) -> None:
+    """Before vLLM handles a step's output: settle the guard's device checks and add the
+    bad blocks they found to ``invalid_block_ids``, so vLLM recomputes or fails their
+    readers in this very step, as for blocks found on the host. vLLM has already waited
+    for the step's sampled tokens, so the checks (queued before them) are done."""
+    meta = _guard_worker_meta(getattr(connector_output, "kv_connector_worker_meta", None))
+    if meta is None:
+        return
+    meta.settle()
+    if meta.invalid:
+        current = connector_output.invalid_block_ids or set()
+        connector_output.invalid_block_ids = set(current) | meta.invalid
+
+
+class _Columns(PendingCheck):
+    """A check over some layers, its columns renumbered to the layers' indexes."""
+
+    def __init__(self, inner: PendingCheck, layers: list[int]) -> None:
+        self.inner, self.layers = inner, layers
+        self.block_ids = inner.block_ids
+
+    def ready(self) -> bool:
+        return self.inner.ready()
+
+    @property
+    def settled(self) -> bool:
+        return self.inner.settled
+
+    def settle(self) -> list[tuple[int, int, int, int, int]]:
+        return [(b, self.layers[c], f, a, e) for b, c, f, a, e in self.inner.settle()]
 
 
 def _fail_requests(scheduler: Any, guard: KVGuardConnector, outputs: dict[int, Any]) -> None:

@@ -44,7 +44,7 @@ def seal_snapshot(_worker: Any = None) -> dict[int, int]:
 
     table = _guard().table
     blocks = np.flatnonzero(table.sealed)
-    return dict(zip(blocks.tolist(), table.digests[blocks, 0].tolist(), strict=True))
+    return dict(zip(blocks.tolist(), table.host_digests(blocks)[:, 0].tolist(), strict=True))
 
 
 def break_hashing(_worker: Any = None) -> None:

@@ -80,3 +80,18 @@ def words(start: int, n: int, step: int = 7) -> str:
 
 def preemptions(llm: Any) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def record_invalid_blocks(llm: Any) -> list[set[int]]:
+    """Spy on vLLM's own handling of bad blocks (in-process engines only): the sets of block ids
+    the scheduler's ``_handle_invalid_blocks`` receives, one per step that had any."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    seen: list[set[int]] = []
+    original = scheduler._handle_invalid_blocks
+
+    def spy(invalid_block_ids: set[int], *args: Any, **kwargs: Any) -> Any:
+        seen.append(set(invalid_block_ids))
+        return original(invalid_block_ids, *args, **kwargs)
+
+    scheduler._handle_invalid_blocks = spy
+    return seen

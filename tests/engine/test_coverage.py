@@ -175,3 +175,26 @@ def test_auditor_catches_a_forced_double_allocation(tiny_model: str, tmp_path: P
     assert finished["victim"].outputs[0].finish_reason == "error"
     assert "lifecycle violation" in str(finished["victim"].outputs[0].stop_reason)
     assert finished["thief"].outputs[0].finish_reason == "length"
+
+
+def _drop_seals(_worker: Any) -> int:
+    guard = testing._guard()
+    guard.unregister_kv_caches()
+    return int(guard.table.sealed.sum())
+
+
+def test_sleep_mode_unregister_drops_every_seal(tiny_model: str, tmp_path: Path) -> None:
+    """vLLM 0.34's sleep mode discards the KV cache and calls unregister_kv_caches: no seal
+    may outlive it (every later verification would be a false alarm), and pages written
+    after wake-up are sealed anew. The guard also declares no KV hand-off to vLLM."""
+    log = tmp_path / "guard.jsonl"
+    with engine(tiny_model, guard_env("quarantine", log, **INPROC)) as llm:
+        assert _scheduler(llm).requires_kv_delivery is False
+        first = _sealed_by(llm, PROMPT)
+        assert len(first) == 4
+        assert llm.collective_rpc(_drop_seals) == [0]
+        assert llm.collective_rpc(testing.seal_snapshot)[0] == {}
+        again = _sealed_by(llm, words(201, 64) + " w1")
+        assert len(again) == 2
+    (line,) = events(log, "kvguard_seals_dropped")
+    assert line["pages"] >= 4 and line["reason"] == "kv_cache_unregistered"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.harness import engine, events, guard_env, words
+from tests.engine.harness import engine, events, guard_env, record_invalid_blocks, words
 from vllm_kvguard import testing
 
 pytestmark = pytest.mark.engine
@@ -66,9 +66,13 @@ def test_running_request_page_corrupted_mid_decode(
     if budget:
         extra["VLLM_KVGUARD_VERIFY_BUDGET"] = budget
     with engine(tiny_model, guard_env("quarantine", log, **extra), num_gpu_blocks_override=64) as llm:
+        handled = record_invalid_blocks(llm)
         reference, text, detected_at, lines, block = _run_with_mid_decode_flip(llm, log)
     (line,) = lines
     assert line["block_id"] == block
+    # The text alone cannot show the recompute (this flip happens not to change it): vLLM's
+    # bad-block handling got the block, once.
+    assert handled == [{block}], handled
     assert text == reference
     assert detected_at is not None and 1 <= detected_at <= bound, detected_at
     assert line["trigger"] == policy

@@ -1,0 +1,112 @@
+"""The device path (KVG64 kernel, seals on the device, results read with the step's
+output) on a real vLLM engine, with Triton's interpreter standing in for the GPU.
+
+Run by tests/engine/test_device_path.py in its own process with TRITON_INTERPRET=1
+(Triton reads it when a kernel is built; see tests/unit/kernel_cases.py).
+``VLLM_KVGUARD_HASH=kvg64`` makes the guard take the kernel path for the CPU KV
+cache: the same code a GPU worker runs, minus CUDA events and pinned copies.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.harness import engine, events, guard_env, record_invalid_blocks
+from tests.engine.scenario import CLEAN, greedy, prompts_b, run_clean, seal_prefix_and_corrupt
+from vllm_kvguard import testing
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("run with TRITON_INTERPRET=1 (tests/engine/test_device_path.py does)")
+
+pytestmark = pytest.mark.engine
+# The interpreter runs a kernel thousands of times slower than a GPU: keep to seals and
+# reuse verification (read-time verification and scrubbing share the same launch code).
+KVG64 = {"VLLM_KVGUARD_HASH": "kvg64", "VLLM_KVGUARD_VERIFY": "reuse", "VLLM_KVGUARD_SCRUB_INTERVAL": "off"}
+INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _guard_type(llm: Any) -> dict[str, Any]:
+    def probe(_worker: Any) -> dict[str, Any]:
+        guard = testing._guard()
+        return {"table": type(guard.table).__name__, "deferred": guard.pages.deferred}
+
+    return llm.collective_rpc(probe)[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: str) -> list[str]:
+    with engine(tiny_model, {"VLLM_KVGUARD": "0"}) as llm:
+        return run_clean(llm)[0]
+
+
+@pytest.mark.parametrize("process", ["engine_process", "in_process"])
+def test_device_path_is_clean_then_catches_and_heals_a_flip(
+    tiny_model: str, tmp_path: Path, reference: list[str], process: str
+) -> None:
+    """Multiprocess: checks settle when the worker's output is pickled; in process: in the
+    scheduler's update_from_output. Either way the bad block reaches vLLM in the same step."""
+    log = tmp_path / "guard.jsonl"
+    extra = {**KVG64, **(INPROC if process == "in_process" else {})}
+    with engine(tiny_model, guard_env("quarantine", log, **extra)) as llm:
+        assert _guard_type(llm) == {"table": "DeviceDigestTable", "deferred": True}
+        texts, _ = run_clean(llm)
+        assert texts == reference
+        assert events(log, "kv_block_corrupted") == []
+        bad = seal_prefix_and_corrupt(llm)
+        handled = record_invalid_blocks(llm) if process == "in_process" else None
+        outs = llm.generate(prompts_b(), greedy(16), use_tqdm=False)
+    if handled is not None:
+        # The device check's finding reached vLLM's bad-block handling (recompute).
+        assert handled == [{bad.block_id}], handled
+    (started,) = [e for e in events(log, "kvguard_started") if e.get("role") == "worker"]
+    assert started["details"]["digest"] == "kvg64" and started["details"]["deferred"] is True
+    assert [o.outputs[0].text for o in outs] == bad.clean
+    (line,) = events(log, "kv_block_corrupted")
+    assert line["block_id"] == bad.block_id and line["layers"] == [bad.layers[0]]
+    assert line["trigger"] == "reuse" and line["action"] == "quarantined_and_recomputed"
+    assert line["expected_digest"] != line["actual_digest"]
+    assert {a["outcome"] for a in events(log, "kv_request_affected")} == {"recomputed"}
+    assert CLEAN.max_tokens > 0
+
+
+def test_nan_at_seal_is_flagged_by_the_kernel_and_recomputed(tiny_model: str, tmp_path: Path) -> None:
+    log = tmp_path / "guard.jsonl"
+    prompt = " ".join(f"w{(17 + i * 7) % 400}" for i in range(128)) + " w300 w301"
+    with engine(tiny_model, guard_env("quarantine", log, **KVG64, **INPROC)) as llm:
+        reference = llm.generate([prompt], greedy(16), use_tqdm=False)[0].outputs[0].text
+    spec = "nan:at=write,layer=1,seed=3"
+    env = guard_env("quarantine", log, VLLM_KVGUARD_INJECT=spec, **KVG64, **INPROC)
+    with engine(tiny_model, env) as llm:
+        out = llm.generate([prompt], greedy(16), use_tqdm=False)[0]
+    (injected,) = events(log, "kv_fault_injected")
+    (line,) = events(log, "kv_block_nonfinite")
+    assert line["block_id"] == injected["block_id"] and line["layers"][0].startswith("model.layers.1.")
+    assert line["action"] == "recomputed"
+    assert events(log, "kv_block_corrupted") == []
+    assert [o["outcome"] for o in events(log, "kv_fault_outcome")] == ["detected"]
+    assert out.outputs[0].text == reference
+
+
+def test_paranoid_read_verification_on_the_device_catches_a_mid_decode_flip(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """Per-layer launches in the attention hook (a subset of the table's columns), settled with
+    the same step's output: caught in the first step after the flip, text unchanged."""
+    from tests.engine.test_read_verify import _run_with_mid_decode_flip
+
+    log = tmp_path / "guard.jsonl"
+    extra = {**KVG64, **INPROC, "VLLM_KVGUARD_VERIFY": "paranoid"}
+    with engine(tiny_model, guard_env("quarantine", log, **extra), num_gpu_blocks_override=64) as llm:
+        handled = record_invalid_blocks(llm)
+        reference, text, detected_at, lines, block = _run_with_mid_decode_flip(llm, log)
+    (line,) = lines
+    assert handled == [{block}], handled  # vLLM recomputed the owner from the bad block
+    assert line["block_id"] == block and line["trigger"] == "paranoid"
+    assert line["layer"].startswith("model.layers.1.") and line["layers"] == [line["layer"]]
+    assert detected_at == 1
+    assert line["action"] == "quarantined_and_recomputed"
+    assert text == reference
