@@ -110,8 +110,13 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
     def settle(self) -> KVGuardWorkerMetadata:
         """Turn the device checks into detections (waits for them if still running)."""
         for deferred in self.pending:
-            self.detections.extend(deferred.detections())
-            self.invalid |= deferred.invalid()
+            try:
+                self.detections.extend(deferred.detections())
+                self.invalid |= deferred.invalid()
+            except Exception as exc:
+                # Fail open like every hook: counted and logged by the scheduler, those
+                # pages count as not verified this step, serving goes on.
+                self.internal_errors.append(f"settle device check ({deferred.trigger}): {exc!r}")
         self.pending = []
         return self
 
@@ -513,7 +518,10 @@ class KVGuardConnector(KVConnectorBase_V1):
             if not (wait or deferred.check.settled or deferred.check.ready()):
                 keep.append(deferred)
                 continue
-            bad = deferred.invalid()
+            try:
+                bad = deferred.invalid()
+            except Exception:
+                continue  # reported once, by the worker metadata that carries the check
             if bad:
                 self.table.forget(sorted(bad))
         self._unsettled = keep

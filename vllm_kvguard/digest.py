@@ -12,6 +12,7 @@ the data, never in it, as ZFS keeps checksums in the parent pointer.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -330,6 +331,9 @@ class PendingCheck:
         else:
             self._host_flags = flags
         self._result: list[tuple[int, int, int, int, int]] | None = None
+        # The output thread (pickling the worker's output) and the worker's next step may
+        # both settle the same check.
+        self._lock = threading.Lock()
 
     def ready(self) -> bool:
         """Whether :meth:`settle` would not wait."""
@@ -341,6 +345,10 @@ class PendingCheck:
 
     def settle(self) -> list[tuple[int, int, int, int, int]]:
         """Flagged pages as (block id, layer, flags, actual digest, sealed digest); idempotent."""
+        with self._lock:
+            return self._settle()
+
+    def _settle(self) -> list[tuple[int, int, int, int, int]]:
         if self._result is None:
             if self._event is not None:
                 self._event.synchronize()

@@ -1,0 +1,106 @@
+"""Device checks settled with the step's output (the pure part: no kernel, no engine).
+
+The kernel and the whole path on a real engine are tested under Triton's interpreter
+(tests/unit/kernel_cases.py, tests/engine/device_path_cases.py); here: what the
+worker metadata does with settled results, and that a check that cannot be read
+back fails open.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import torch
+
+from vllm_kvguard.connector import DeferredDetections, KVGuardWorkerMetadata
+from vllm_kvguard.digest import PendingCheck
+from vllm_kvguard.kernel import MISMATCH, NONFINITE
+
+
+def _check(flags: list[list[int]], actual: list[list[int]], expected: list[list[int]]) -> PendingCheck:
+    return PendingCheck(
+        [10, 11],
+        torch.tensor(flags, dtype=torch.int8),
+        torch.tensor(actual, dtype=torch.int64).view(torch.uint64),
+        torch.tensor(expected, dtype=torch.int64).view(torch.uint64),
+    )
+
+
+def _deferred(
+    check: PendingCheck, kind: str = "checksum_mismatch", report: bool = True
+) -> DeferredDetections:
+    return DeferredDetections(check, 1, ["l0", "l1"], "reuse", 7, {11: ["req-a"]}, kind, report)
+
+
+def test_settled_mismatches_become_detections_and_bad_blocks() -> None:
+    check = _check([[0, 0], [0, MISMATCH]], [[1, 2], [3, 4]], [[1, 2], [3, 5]])
+    meta = KVGuardWorkerMetadata(pending=[_deferred(check)])
+    meta.settle()
+    [d] = meta.detections
+    assert (d.rank, d.block_id, d.layer, d.expected, d.actual, d.readers) == (1, 11, "l1", 5, 4, ("req-a",))
+    assert (d.trigger, d.step, d.kind) == ("reuse", 7, "checksum_mismatch")
+    assert meta.invalid == {11} and meta.pending == []
+    assert meta.settle().detections == [d]  # idempotent
+
+
+def test_log_mode_and_nonfinite_report_no_bad_block() -> None:
+    mismatch = _check([[MISMATCH, 0], [0, 0]], [[1, 2], [3, 4]], [[9, 2], [3, 4]])
+    nan = _check([[0, NONFINITE], [0, 0]], [[1, 2], [3, 4]], [[0, 0], [0, 0]])
+    meta = KVGuardWorkerMetadata(
+        pending=[_deferred(mismatch, report=False), _deferred(nan, kind="nonfinite")]
+    )
+    meta.settle()
+    assert [(d.block_id, d.layer, d.kind) for d in meta.detections] == [
+        (10, "l0", "checksum_mismatch"),
+        (10, "l1", "nonfinite"),
+    ]
+    assert meta.invalid == set()
+
+
+def test_pickling_settles_first_and_carries_no_tensor() -> None:
+    check = _check([[0, 0], [MISMATCH, 0]], [[1, 2], [3, 4]], [[1, 2], [8, 4]])
+    meta = KVGuardWorkerMetadata(pending=[_deferred(check)])
+    other = pickle.loads(pickle.dumps(meta))
+    assert other.pending == [] and other.invalid == {11}
+    assert [(d.block_id, d.expected, d.actual) for d in other.detections] == [(11, 8, 3)]
+
+
+def test_aggregate_settles_both_ranks() -> None:
+    a = KVGuardWorkerMetadata(
+        pending=[_deferred(_check([[MISMATCH, 0], [0, 0]], [[1, 2], [3, 4]], [[0, 2], [3, 4]]))]
+    )
+    b = KVGuardWorkerMetadata(
+        pending=[_deferred(_check([[0, 0], [0, 0]], [[1, 2], [3, 4]], [[1, 2], [3, 4]]))]
+    )
+    merged = a.aggregate(b)
+    assert isinstance(merged, KVGuardWorkerMetadata)
+    assert merged.invalid == {10} and len(merged.detections) == 1 and merged.pending == []
+
+
+class _Broken(PendingCheck):
+    def __init__(self) -> None:
+        self.block_ids = [1]
+
+    def settle(self) -> list[tuple[int, int, int, int, int]]:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_check_that_cannot_be_read_back_fails_open() -> None:
+    good = _check([[0, 0], [0, MISMATCH]], [[1, 2], [3, 4]], [[1, 2], [3, 5]])
+    meta = KVGuardWorkerMetadata(pending=[_deferred(_Broken()), _deferred(good)])
+    meta.settle()
+    assert meta.invalid == {11} and len(meta.detections) == 1
+    [error] = meta.internal_errors
+    assert "settle device check (reuse)" in error and "illegal memory access" in error
+
+
+def test_two_threads_settling_one_check_agree() -> None:
+    check = _check([[MISMATCH, 0], [0, MISMATCH]], [[1, 2], [3, 4]], [[0, 2], [3, 0]])
+    results: list[object] = []
+    threads = [threading.Thread(target=lambda: results.append(check.settle())) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8 and all(r == [(10, 0, 1, 1, 0), (11, 1, 1, 4, 0)] for r in results)
