@@ -43,9 +43,38 @@ def reference(tiny_model: str) -> list[str]:
         return run_clean(llm)[0]
 
 
+HOOKS = {
+    "bind_connector_metadata",
+    "wait_for_layer_load",
+    "finish_forward",
+    "wait_for_save",
+    "get_block_ids_with_load_errors",
+    "build_connector_worker_meta",
+}
+
+
+@pytest.fixture
+def first_reads(monkeypatch: pytest.MonkeyPatch) -> list[set[str]]:
+    """For each device check, the functions on the stack when its results were first read."""
+    import inspect
+
+    from vllm_kvguard.digest import PendingCheck
+
+    seen: list[set[str]] = []
+    original = PendingCheck._settle
+
+    def spy(self: PendingCheck) -> Any:
+        if not self.settled:
+            seen.append({frame.function for frame in inspect.stack()[1:]})
+        return original(self)
+
+    monkeypatch.setattr(PendingCheck, "_settle", spy)
+    return seen
+
+
 @pytest.mark.parametrize("process", ["engine_process", "in_process"])
 def test_device_path_is_clean_then_catches_and_heals_a_flip(
-    tiny_model: str, tmp_path: Path, reference: list[str], process: str
+    tiny_model: str, tmp_path: Path, reference: list[str], process: str, first_reads: list[set[str]]
 ) -> None:
     """Multiprocess: checks settle when the worker's output is pickled; in process: in the
     scheduler's update_from_output. Either way the bad block reaches vLLM in the same step."""
@@ -62,6 +91,10 @@ def test_device_path_is_clean_then_catches_and_heals_a_flip(
     if handled is not None:
         # The device check's finding reached vLLM's bad-block handling (recompute).
         assert handled == [{bad.block_id}], handled
+        # No hook waited for a device result: every check was first read back by the
+        # update_from_output wrapper, after the step's output was complete.
+        assert len(first_reads) > 20
+        assert all("settle_output" in stack and not stack & HOOKS for stack in first_reads)
     (started,) = [e for e in events(log, "kvguard_started") if e.get("role") == "worker"]
     assert started["details"]["digest"] == "kvg64" and started["details"]["deferred"] is True
     assert [o.outputs[0].text for o in outs] == bad.clean
