@@ -152,6 +152,8 @@ class DeferredDetections:
     readers: dict[int, list[str]]
     kind: str  # "checksum_mismatch" (verify) or "nonfinite" (seal)
     report_invalid: bool
+    # Per-block trigger where one launch served several purposes (hits and scrub pages).
+    triggers: dict[int, str] | None = None
 
     def detections(self) -> list[Detection]:
         from vllm_kvguard.kernel import MISMATCH, NONFINITE
@@ -165,7 +167,7 @@ class DeferredDetections:
                 expected if bit == MISMATCH else 0,
                 actual if bit == MISMATCH else 0,
                 tuple(self.readers.get(block, ())),
-                self.trigger,
+                self.triggers.get(block, self.trigger) if self.triggers else self.trigger,
                 self.step,
                 self.kind,
             )
@@ -478,10 +480,13 @@ class KVGuardConnector(KVConnectorBase_V1):
             self._apply_settled(wait=False)
         # Before the forward: this step's prefix hits are read by its attention.
         self.table.forget(meta.forget)
-        if meta.verify:
-            self._verify(meta, meta.verify, "reuse")
-        if meta.scrub:
-            self._verify(meta, meta.scrub, "scrub")
+        if isinstance(self.table, DeviceDigestTable) and (meta.verify or meta.scrub):
+            self._verify_on_device(meta)
+        else:
+            if meta.verify:
+                self._verify(meta, meta.verify, "reuse")
+            if meta.scrub:
+                self._verify(meta, meta.scrub, "scrub")
         if meta.invalidate and self.config.mode != Mode.LOG:
             self._invalid.update(meta.invalidate)
             self.table.forget(meta.invalidate)
@@ -526,21 +531,31 @@ class KVGuardConnector(KVConnectorBase_V1):
                 self.table.forget(sorted(bad))
         self._unsettled = keep
 
+    def _verify_on_device(self, meta: KVGuardMetadata) -> None:
+        """The step's hits and scrub pages in one launch, compared on the device, read back
+        with the step's output (see KVGuardWorkerMetadata.settle)."""
+        assert self.pages is not None and isinstance(self.table, DeviceDigestTable)
+        start = time.perf_counter()
+        hits = self.table.sealed_only(meta.verify)
+        hit_set = set(hits)
+        scrub = [b for b in self.table.sealed_only(meta.scrub) if b not in hit_set]
+        blocks = hits + scrub
+        if blocks:
+            check = self.table.verify_async(blocks)
+            self._defer(check, "reuse", meta.step, meta.readers, "checksum_mismatch")
+            if scrub:
+                self._step_checks[-1].triggers = dict.fromkeys(scrub, "scrub")
+        self._worker_meta().verified_steps.add(meta.step)
+        for label, n in (("reuse", len(hits)), ("scrub", len(scrub))):
+            if n:
+                self.worker_counters.add("verified", n, label=label)
+        self.worker_counters.add("bytes_hashed", len(blocks) * self.pages.bytes_per_block, label="verify")
+        self.worker_counters.observe("verify_seconds", time.perf_counter() - start)
+
     def _verify(self, meta: KVGuardMetadata, block_ids: list[int], trigger: str) -> None:
         assert self.pages is not None and self.table is not None
         start = time.perf_counter()
         blocks = self.table.sealed_only(block_ids)
-        if isinstance(self.table, DeviceDigestTable):
-            # On the device: compared in the kernel, read back with the step's output.
-            if blocks:
-                self._defer(
-                    self.table.verify_async(blocks), trigger, meta.step, meta.readers, "checksum_mismatch"
-                )
-            self._worker_meta().verified_steps.add(meta.step)
-            self.worker_counters.add("verified", len(blocks), label=trigger)
-            self.worker_counters.add("bytes_hashed", len(blocks) * self.pages.bytes_per_block, label="verify")
-            self.worker_counters.observe("verify_seconds", time.perf_counter() - start)
-            return
         mismatches = self.table.compare(blocks, self.pages.digest(blocks), self.pages.names)
         out = self._worker_meta()
         out.verified_steps.add(meta.step)

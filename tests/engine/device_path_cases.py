@@ -143,3 +143,24 @@ def test_paranoid_read_verification_on_the_device_catches_a_mid_decode_flip(
     assert detected_at == 1
     assert line["action"] == "quarantined_and_recomputed"
     assert text == reference
+
+
+def test_scrub_pages_share_the_hits_launch_and_keep_their_trigger(tiny_model: str, tmp_path: Path) -> None:
+    from tests.engine.test_coverage import PROMPT, _greedy, _sealed_by, _text
+
+    log = tmp_path / "guard.jsonl"
+    extra = {**KVG64, **INPROC, "VLLM_KVGUARD_SCRUB_INTERVAL": "0.5s", "VLLM_KVGUARD_SCRUB_BUDGET": "32KiB"}
+    with engine(tiny_model, guard_env("quarantine", log, **extra), num_gpu_blocks_override=64) as llm:
+        blocks = _sealed_by(llm, PROMPT)
+        reference = _text(llm, PROMPT, 16)
+        llm.collective_rpc(testing.flip_bit, args=(blocks[1], 0, 5, 3))
+        core = llm.llm_engine
+        core.add_request("other", " ".join(f"w{i}" for i in range(3, 43)), _greedy(60))
+        while core.has_unfinished_requests() and not events(log, "kv_block_corrupted"):
+            core.step()
+        (line,) = events(log, "kv_block_corrupted")
+        assert line["trigger"] == "scrub" and line["block_id"] == blocks[1] and line["request_ids"] == []
+        while core.has_unfinished_requests():
+            core.step()
+        assert _text(llm, PROMPT, 16) == reference
+        assert len(events(log, "kv_block_corrupted")) == 1

@@ -28,4 +28,4 @@ def test_device_path_cases_pass_under_the_triton_interpreter() -> None:
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) == 4 and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    assert passed and int(passed.group(1)) == 5 and "skipped" not in proc.stdout, proc.stdout[-2000:]

@@ -104,3 +104,13 @@ def test_two_threads_settling_one_check_agree() -> None:
     for t in threads:
         t.join()
     assert len(results) == 8 and all(r == [(10, 0, 1, 1, 0), (11, 1, 1, 4, 0)] for r in results)
+
+
+def test_one_launch_for_hits_and_scrub_pages_keeps_each_trigger() -> None:
+    check = _check([[MISMATCH, 0], [0, MISMATCH]], [[1, 2], [3, 4]], [[0, 2], [3, 0]])
+    deferred = _deferred(check)
+    deferred.triggers = {11: "scrub"}
+    assert [(d.block_id, d.trigger, d.readers) for d in deferred.detections()] == [
+        (10, "reuse", ()),
+        (11, "scrub", ("req-a",)),
+    ]
