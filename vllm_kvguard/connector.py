@@ -494,7 +494,6 @@ class KVGuardConnector(KVConnectorBase_V1):
         if meta.read_verify:
             assert self.pages is not None
             self._reads_left = set(range(self.pages.num_layers))
-            # Resolved once per step, reused by every layer's hook.
             # Resolved once per step (blocks, their seals), reused by every layer's hook.
             self._read_blocks = self.table.sealed_only(meta.read_verify)
             if not self.pages.deferred:
