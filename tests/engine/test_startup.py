@@ -121,3 +121,22 @@ def test_connector_is_known_to_vllm_by_name() -> None:
     register()
     register()  # idempotent: vLLM loads plugins once per process, tests may call it again
     assert KVConnectorFactory.get_connector_class_by_name("KVGuardConnector") is KVGuardConnector
+
+
+def test_kvg64_where_the_kernel_cannot_run_stops_start_up(tiny_model: str, tmp_path) -> None:
+    """VLLM_KVGUARD_HASH=kvg64 on CPU without Triton's interpreter: the engine does not start,
+    and the error says why and what to use instead (not a silent fallback)."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("VLLM_KVGUARD") and k != "TRITON_INTERPRET"
+    }
+    env.update(VLLM_KVGUARD="1", VLLM_KVGUARD_HASH="kvg64", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    code = (
+        "from vllm import LLM\n"
+        f"LLM(model={tiny_model!r}, block_size=32, max_model_len=512, enforce_eager=True)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
+    assert proc.returncode != 0
+    assert "VLLM_KVGUARD_HASH=kvg64 needs the Triton page-digest kernel" in proc.stderr, proc.stderr[-3000:]
+    assert "use xxh3_64 or xxh64" in proc.stderr
