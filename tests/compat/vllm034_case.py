@@ -46,6 +46,7 @@ def main() -> int:
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
+    from tests.engine.harness import spy_invalid_blocks
     from vllm_kvguard.config import load_config
     from vllm_kvguard.connector import KVGuardConnector
     from vllm_kvguard.plugin import compose_kv_transfer_config, register
@@ -83,14 +84,11 @@ def main() -> int:
     kv = torch.zeros((2, NB, BS, HEADS, HEAD), dtype=torch.bfloat16)
     runner = ActiveKVConnector(vc, {"l0": kv})
 
-    handled: list[list[int]] = []
-    original = scheduler._handle_invalid_blocks
+    invalid_sets = spy_invalid_blocks(scheduler)
 
-    def spy(invalid: set[int], *args: Any, **kwargs: Any) -> Any:
-        handled.append(sorted(invalid))
-        return original(invalid, *args, **kwargs)
+    def handled() -> list[list[int]]:
+        return [sorted(blocks) for blocks in invalid_sets]
 
-    scheduler._handle_invalid_blocks = spy
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BS, sha256)
     stats: Counter[str] = Counter()
@@ -145,16 +143,16 @@ def main() -> int:
     # One bit of a sealed prefix page (V part: K and V are separate runs of the page).
     kv.view(torch.uint8).view(2, NB, -1)[1, sealed[1], 5] ^= 0x40
     run([req("b", [*prefix, 3, 4], 4), req("c", [*prefix, 5], 4)])
-    after_flip = list(handled)
+    after_flip = handled()
     # A running request's page corrupted mid-decode: read-time verification.
     scheduler.add_request(req("d", list(range(600, 600 + 3 * BS + 2)), 12))
     for _ in range(6):
         step()
     d_table = scheduler.kv_cache_manager.get_block_ids("d")[0]
     kv.view(torch.uint8).view(2, NB, -1)[0, d_table[1], 9] ^= 0x40
-    before = len(handled)
+    before = len(invalid_sets)
     step()
-    mid_decode = handled[before:]
+    mid_decode = handled()[before:]
     run([])
     run([req(f"p{i}", list(range(300 + 60 * i, 360 + 60 * i)), 40) for i in range(4)])
     lines = [json.loads(line) for line in Path(log_file).read_text().splitlines()]
@@ -168,7 +166,7 @@ def main() -> int:
                 "sealed_by_a": sealed,
                 "flipped": sealed[1],
                 "handled_after_flip": after_flip,
-                "handled": handled,
+                "handled": handled(),
                 "mid_decode_block": d_table[1],
                 "handled_mid_decode": mid_decode,
                 "events": Counter(line["event"] for line in lines),

@@ -83,9 +83,13 @@ def preemptions(llm: Any) -> float:
 
 
 def record_invalid_blocks(llm: Any) -> list[set[int]]:
-    """Spy on vLLM's own handling of bad blocks (in-process engines only): the sets of block ids
-    the scheduler's ``_handle_invalid_blocks`` receives, one per step that had any."""
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    """Spy on vLLM's own handling of bad blocks (in-process engines only)."""
+    return spy_invalid_blocks(llm.llm_engine.engine_core.engine_core.scheduler)
+
+
+def spy_invalid_blocks(scheduler: Any) -> list[set[int]]:
+    """The sets of block ids a vLLM scheduler's ``_handle_invalid_blocks`` receives, one per
+    step that had any (recorded, then handled as usual)."""
     seen: list[set[int]] = []
     original = scheduler._handle_invalid_blocks
 

@@ -3,27 +3,17 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.conftest import run_cases_under_interpreter
 
 CASES = Path(__file__).with_name("kernel_cases.py")
 
 
 def test_kernel_cases_pass_under_the_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=CASES.parent.parent.parent,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 19 and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_cases_under_interpreter(CASES, expected=37, timeout=600)
 
 
 BENCH = CASES.parent.parent.parent / "benchmarks" / "device_bench.py"
