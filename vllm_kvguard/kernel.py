@@ -30,6 +30,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from vllm_kvguard.digest import EXPONENT_TESTS
+
 P1 = 0x9E3779B185EBCA87
 P2 = 0xC2B2AE3D27D4EB4F
 P3 = 0x165667B19E3779F9
@@ -176,24 +178,8 @@ def kernel_available(device: torch.device) -> bool:
     return device.type in ("cuda", "xpu")
 
 
-# (exponent mask, lowest exponent bit, element bits) of the float KV dtypes the
-# non-finite test knows; integer and fp8 caches are not tested (fp8 e4m3 has no Inf
-# and its NaN is a single pattern; quantised caches hold no NaN).
-FINITE_TESTS = {
-    torch.bfloat16: (0x7F80, 0x0080, 16),
-    torch.float16: (0x7C00, 0x0400, 16),
-    torch.float32: (0x7F800000, 0x00800000, 32),
-}
-
 DIGEST, SEAL, VERIFY = 0, 1, 2
 MISMATCH, NONFINITE = 1, 2
-
-
-def _lanes(pattern: int, bits: int) -> int:
-    word = 0
-    for shift in range(0, 64, bits):
-        word |= pattern << shift
-    return word - (1 << 64) if word >= 1 << 63 else word
 
 
 class PageGeometry:
@@ -236,7 +222,7 @@ class PageGeometry:
         self.page_bytes = sum(n for _, n in runs)
         self.words = all(o % 8 == 0 for o in origins) and self.page_stride % 8 == 0
         self.words = self.words and all(o % 8 == 0 and n % 8 == 0 for o, n in runs)
-        self.finite_test = FINITE_TESTS.get(self.dtype) if self.words else None
+        self.finite_test = EXPONENT_TESTS.get(self.dtype) if self.words else None
 
     def launch(
         self,
@@ -272,7 +258,7 @@ class PageGeometry:
         if pages == 0 or launched == 0:
             return out, flags
         test = self.finite_test if check_finite else None
-        mask, low, bits = test if test is not None else (0, 0, 16)
+        mask, low, sign, bits = test if test is not None else (0, 0, 0, 16)
         _kvg64_kernel[(pages, launched)](
             self.base,
             self.origins,
@@ -287,9 +273,9 @@ class PageGeometry:
             self.page_bytes,
             self.page_stride,
             self.num_layers,
-            _lanes(mask, bits),
-            _lanes(low, bits),
-            _lanes(1 << (bits - 1), bits),
+            mask,
+            low,
+            sign,
             MODE=mode,
             CHECK_FINITE=test is not None,
             ZERO_NONFINITE=test is not None and zero_nonfinite,
