@@ -619,9 +619,6 @@ class KVGuardConnector(KVConnectorBase_V1):
             if blocks:
                 every = len(layers) == self.pages.num_layers
                 check = self.table.verify_async(blocks, None if every else layers)
-                if not every:
-                    # Flags come back by launched column: map them to the real layer.
-                    check = _Columns(check, list(layers))
                 self._defer(check, meta.read_trigger, meta.step, {}, "checksum_mismatch")
             layers = []
         for layer in layers:
@@ -1254,24 +1251,6 @@ def settle_output(connector_output: Any) -> None:
     if meta.invalid:
         current = connector_output.invalid_block_ids or set()
         connector_output.invalid_block_ids = set(current) | meta.invalid
-
-
-class _Columns(PendingCheck):
-    """A check over some layers, its columns renumbered to the layers' indexes."""
-
-    def __init__(self, inner: PendingCheck, layers: list[int]) -> None:
-        self.inner, self.layers = inner, layers
-        self.block_ids = inner.block_ids
-
-    def ready(self) -> bool:
-        return self.inner.ready()
-
-    @property
-    def settled(self) -> bool:
-        return self.inner.settled
-
-    def settle(self) -> list[tuple[int, int, int, int, int]]:
-        return [(b, self.layers[c], f, a, e) for b, c, f, a, e in self.inner.settle()]
 
 
 def _fail_requests(scheduler: Any, guard: KVGuardConnector, outputs: dict[int, Any]) -> None:

@@ -320,8 +320,11 @@ class PendingCheck:
         flags: torch.Tensor,
         actual: torch.Tensor,
         expected: torch.Tensor | None,
+        layers: Sequence[int] | None = None,
     ) -> None:
         self.block_ids = list(block_ids)
+        # The layer of each column, when the launch covered only some layers.
+        self._layers = list(layers) if layers is not None else None
         self._flags, self._actual, self._expected = flags, actual, expected
         self._event: Any = None
         if flags.device.type == "cuda":
@@ -346,7 +349,7 @@ class PendingCheck:
         return self._result is not None
 
     def settle(self) -> list[tuple[int, int, int, int, int]]:
-        """Flagged pages as (block id, layer, flags, actual digest, sealed digest); idempotent."""
+        """Flagged pages as (block id, layer index, flags, actual digest, sealed digest); idempotent."""
         with self._lock:
             return self._settle()
 
@@ -366,7 +369,8 @@ class PendingCheck:
                 )
                 for r, c in zip(rows.tolist(), cols.tolist(), strict=True):
                     sealed = int(expected[r, c]) if expected is not None else 0
-                    result.append((self.block_ids[r], c, int(flags[r, c]), int(actual[r, c]), sealed))
+                    layer = self._layers[c] if self._layers is not None else c
+                    result.append((self.block_ids[r], layer, int(flags[r, c]), int(actual[r, c]), sealed))
             self._result = result
             self._flags = self._actual = self._expected = self._host_flags = None  # type: ignore[assignment]
             self._event = None
@@ -425,7 +429,7 @@ class DeviceDigestTable(DigestTable):
         expected = self.device_digests.index_select(0, ids)
         if layers is not None:
             expected = expected[:, list(layers)]
-        return PendingCheck(block_ids, flags, actual, expected)
+        return PendingCheck(block_ids, flags, actual, expected, layers)
 
     def host_digests(self, block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=self.device_digests.device)

@@ -230,3 +230,7 @@ def test_device_table_defers_results_until_settled(kernel: ModuleType) -> None:
     pages.page(4, 0).view(torch.uint8)[0, 0] ^= 0x80
     assert int(pages.digest([4])[0, 0]) == sealed
     assert check.settle() is check.settle()
+    # A launch over some layers reports the layers' own indexes, not launch columns.
+    pages.page(1, 1).view(torch.uint8)[2, 2] ^= 0x01
+    [(block, layer, flags, _, _)] = table.verify_async([4, 1], layers=[1]).settle()
+    assert (block, layer, flags) == (1, 1, kernel.MISMATCH)
