@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from vllm_kvguard.config import KVGuardConfig, Mode, VerifyPolicy, load_config
+from vllm_kvguard.config import HashAlgorithm, KVGuardConfig, Mode, VerifyPolicy, load_config
 from vllm_kvguard.digest import DeviceDigestTable, DigestTable, KVPages, PendingCheck
 from vllm_kvguard.errors import KVCacheCorruptionError
 from vllm_kvguard.events import (
@@ -422,7 +422,6 @@ class KVGuardConnector(KVConnectorBase_V1):
         # The block dimension is the one sized num_blocks: 0 on CPU, 1 for the
         # (2, num_blocks, ...) GPU layouts.
         block_dim = next((d for d, n in enumerate(first.shape) if n == self._num_blocks and d < 2), 0)
-        from vllm_kvguard.config import HashAlgorithm
         from vllm_kvguard.kernel import kernel_available
 
         first_t = first.movedim(block_dim, 0)
@@ -496,7 +495,7 @@ class KVGuardConnector(KVConnectorBase_V1):
             self._reads_left = set(range(self.pages.num_layers))
             # Resolved once per step (blocks, their seals), reused by every layer's hook.
             self._read_blocks = self.table.sealed_only(meta.read_verify)
-            if not self.pages.deferred:
+            if not isinstance(self.table, DeviceDigestTable):
                 self._read_expected = self.table.digests[self._read_blocks]
             self._read_seconds = 0.0
             self.worker_counters.add("verified", len(self._read_blocks), label=meta.read_trigger)
