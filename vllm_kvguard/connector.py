@@ -619,7 +619,21 @@ class KVGuardConnector(KVConnectorBase_V1):
                 every = len(layers) == self.pages.num_layers
                 check = self.table.verify_async(blocks, None if every else layers)
                 self._defer(check, meta.read_trigger, meta.step, {}, "checksum_mismatch")
-            layers = []
+        else:
+            bad = self._compare_reads(meta, layers, blocks)
+        self._read_seconds += time.perf_counter() - start
+        if not self._reads_left:
+            # Last layer of the step: account once per step, not once per layer.
+            self.worker_counters.add("bytes_hashed", self.pages.bytes_per_block * len(blocks), label="verify")
+            self.worker_counters.observe("verify_seconds", self._read_seconds)
+        if bad and self.config.mode != Mode.LOG:
+            self._invalid |= bad
+            self.table.forget(sorted(bad))
+
+    def _compare_reads(self, meta: KVGuardMetadata, layers: list[int], blocks: list[int]) -> set[int]:
+        """Host path: hash the read pages of ``layers`` and compare with their seals now."""
+        assert self.pages is not None
+        bad: set[int] = set()
         for layer in layers:
             actual = self.pages.digest_layer(layer, blocks)
             expected = self._read_expected[:, layer]
@@ -639,14 +653,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                         meta.step,
                     )
                 )
-        self._read_seconds += time.perf_counter() - start
-        if not self._reads_left:
-            # Last layer of the step: account once per step, not once per layer.
-            self.worker_counters.add("bytes_hashed", self.pages.bytes_per_block * len(blocks), label="verify")
-            self.worker_counters.observe("verify_seconds", self._read_seconds)
-        if bad and self.config.mode != Mode.LOG:
-            self._invalid |= bad
-            self.table.forget(sorted(bad))
+        return bad
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -938,6 +945,8 @@ class KVGuardConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KVGuardWorkerMetadata):
             return
+        # Normally a no-op: the update_from_output wrapper (settle_output) or pickling has
+        # settled the device checks already; this keeps the detections if neither ran.
         meta.settle()
         self.counters.absorb(meta.counters)
         for error in meta.internal_errors:
