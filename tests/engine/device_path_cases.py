@@ -155,11 +155,14 @@ def test_scrub_pages_share_the_hits_launch_and_keep_their_trigger(tiny_model: st
         reference = _text(llm, PROMPT, 16)
         llm.collective_rpc(testing.flip_bit, args=(blocks[1], 0, 5, 3))
         core = llm.llm_engine
-        core.add_request("other", " ".join(f"w{i}" for i in range(3, 43)), _greedy(60))
+        # Traffic for the scrubber to work in (it took 32 steps here on an idle machine; 60 was
+        # too few once under CI load), ended as soon as the page is caught.
+        core.add_request("other", " ".join(f"w{i}" for i in range(3, 43)), _greedy(400))
         while core.has_unfinished_requests() and not events(log, "kv_block_corrupted"):
             core.step()
         (line,) = events(log, "kv_block_corrupted")
         assert line["trigger"] == "scrub" and line["block_id"] == blocks[1] and line["request_ids"] == []
+        core.abort_request(["other"])
         while core.has_unfinished_requests():
             core.step()
         assert _text(llm, PROMPT, 16) == reference
