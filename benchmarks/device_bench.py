@@ -49,7 +49,7 @@ def main() -> int:
         )
         return 2
     from vllm_kvguard.digest import DeviceDigestTable, KVPages
-    from vllm_kvguard.kernel import kvg64_reference
+    from vllm_kvguard.digest.kernel import kvg64_reference
 
     def sync() -> None:
         if a.device == "cuda":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from vllm_kvguard.ledger import BlockLedger, ScheduledRequest
+from vllm_kvguard.core.ledger import BlockLedger, ScheduledRequest
 
 
 def _req(req_id: str, computed: int, new: int, fresh: bool, new_blocks: list[int], table: list[int]):

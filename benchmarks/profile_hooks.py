@@ -34,8 +34,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     import vllm_kvguard.connector as connector
-    from vllm_kvguard.bench import ENGINE_ARGS, WARMUP, WORKLOAD
-    from vllm_kvguard.tinymodel import build_tiny_model
+    from vllm_kvguard.tools.bench import ENGINE_ARGS, WARMUP, WORKLOAD
+    from vllm_kvguard.tools.tinymodel import build_tiny_model
 
     model = build_tiny_model(
         Path(tempfile.gettempdir()) / "kvguard-bench-model", layers=4, hidden=512, heads=8, kv_heads=8

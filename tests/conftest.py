@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     """The tiny random-weight Llama the tests build themselves (cached in .cache/)."""
-    from vllm_kvguard.tinymodel import build_tiny_model
+    from vllm_kvguard.tools.tinymodel import build_tiny_model
 
     return str(build_tiny_model(ROOT / ".cache" / "tiny-model"))
 

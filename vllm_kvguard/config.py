@@ -194,7 +194,7 @@ def _port(var: str, raw: str) -> int | None:
 
 
 def _inject(var: str, raw: str) -> str | None:
-    from vllm_kvguard.faults import parse_fault_spec
+    from vllm_kvguard.core.faults import parse_fault_spec
 
     text = raw.strip()
     if not text:

@@ -18,11 +18,13 @@ import dataclasses
 import logging
 import os
 import threading
+import traceback
 from typing import Any, TextIO
 
 import structlog
 
 from vllm_kvguard.config import KVGuardConfig, LogFormat
+from vllm_kvguard.core.events import InternalError
 
 LOGGER_NAME = "vllm.kvguard"
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
@@ -57,6 +59,12 @@ class _FileSink:
             self._file.write(line + "\n")
 
 
+def power_of_two(n: int) -> bool:
+    """Whether the n-th occurrence of a repeated error is logged (1st, 2nd, 4th, 8th...), so
+    that a bug hit on every step does not flood the logs."""
+    return n > 0 and n & (n - 1) == 0
+
+
 def _jsonable(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
@@ -79,6 +87,17 @@ class GuardLog:
         )
         self._file = _FileSink(config.log_file) if config.log_file else None
 
+    def internal_error(self, where: str, exc: Exception, count: int) -> None:
+        """The ``count``-th internal error of this role, with its traceback, rate-limited by
+        :func:`power_of_two` (call it from the ``except`` block)."""
+        if power_of_two(count):
+            self.event(
+                "kvguard_internal_error",
+                InternalError(where, repr(exc), count),
+                level="error",
+                traceback=traceback.format_exc(),
+            )
+
     def event(self, name: str, obj: object, level: str = "info", **extra: Any) -> None:
         fields = {k: _jsonable(v) for k, v in dataclasses.asdict(obj).items()}  # type: ignore[call-overload]
         self.line(name, level, **fields, **extra)
@@ -89,7 +108,7 @@ class GuardLog:
             return
         record = self._stamp(None, level, {**self._context, **fields, "event": name, "level": level})
         if self._file is not None:
-            self._file.write(self._json(None, level, dict(record)))
+            self._file.write(str(self._json(None, level, dict(record))))
         if self._render is self._json:
             self._std.log(number, self._json(None, level, dict(record)))
         else:

@@ -12,10 +12,12 @@ exporter (:class:`StandaloneExporter`) in the engine process with the same serie
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from vllm_kvguard.core.counters import GuardCounters
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0)
 
@@ -143,65 +145,6 @@ def exported_names() -> set[str]:
         else:
             out.add(s.name)
     return out
-
-
-@dataclass
-class GuardCounters:
-    """A delta of the guard's series since the last time it was taken.
-
-    Plain dicts only: it travels pickled from workers to the engine process.
-    """
-
-    counts: dict[str, float] = field(default_factory=dict)
-    labelled: dict[str, dict[str, float]] = field(default_factory=dict)
-    observations: dict[str, list[float]] = field(default_factory=dict)
-    gauges: dict[str, float] = field(default_factory=dict)
-
-    def add(self, key: str, n: float = 1, label: str | None = None) -> None:
-        if label is None:
-            self.counts[key] = self.counts.get(key, 0) + n
-        else:
-            labels = self.labelled.setdefault(key, {})
-            labels[label] = labels.get(label, 0) + n
-
-    def observe(self, key: str, value: float) -> None:
-        self.observations.setdefault(key, []).append(value)
-
-    def set(self, key: str, value: float) -> None:
-        self.gauges[key] = value
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "counts": dict(self.counts),
-            "labelled": {k: dict(v) for k, v in self.labelled.items()},
-            "observations": {k: list(v) for k, v in self.observations.items()},
-            "gauges": dict(self.gauges),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> GuardCounters:
-        out = cls()
-        out.absorb(data)
-        return out
-
-    def absorb(self, data: dict[str, Any]) -> None:
-        """Add a delta (as :meth:`to_dict` wrote it) to this one."""
-        for k, v in data.get("counts", {}).items():
-            self.add(k, v)
-        for k, labels in data.get("labelled", {}).items():
-            for label, v in labels.items():
-                self.add(k, v, label)
-        for k, values in data.get("observations", {}).items():
-            self.observations.setdefault(k, []).extend(values)
-        self.gauges.update(data.get("gauges", {}))
-
-    def empty(self) -> bool:
-        return not (
-            any(self.counts.values())
-            or any(any(v.values()) for v in self.labelled.values())
-            or any(self.observations.values())
-            or self.gauges
-        )
 
 
 class Recorder:

@@ -2,7 +2,7 @@
 
 vLLM calls :func:`register` once in every process it starts (front end, engine
 core, workers). Only the front end builds the engine configuration, so the one
-thing done here is to wrap ``EngineArgs.create_engine_config``: when it runs
+thing done here is to wrap ``EngineArgs.create_engine_config`` (connector/patches.py): when it runs
 with ``VLLM_KVGUARD=1`` it adds the guard's KV connector to the configuration
 (composing with a connector the user set, through vLLM's MultiConnector), and
 with a bad ``VLLM_KVGUARD*`` value it stops start-up with the error. With the
@@ -14,7 +14,6 @@ loads, so a process that builds several engines sees the current settings.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from vllm_kvguard.config import KVGuardConfig, Mode, load_config
@@ -28,7 +27,8 @@ MODULE = "vllm_kvguard.connector"
 
 def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvguard.connector import patches
 
     # By name too: vLLM looks connectors up by class name on its stats path under a
     # MultiConnector, where the module path is not consulted.
@@ -36,21 +36,21 @@ def register() -> None:
         if name not in KVConnectorFactory._registry:
             KVConnectorFactory.register_connector(name, MODULE, name)
 
-    if getattr(EngineArgs.create_engine_config, "_kvguard", False):
-        return
-    original = EngineArgs.create_engine_config
+    if not patches.patch_engine_config(_add_guard) and load_config().enabled:
+        raise RuntimeError(
+            "vllm-kvguard: this vLLM has no EngineArgs.create_engine_config, so VLLM_KVGUARD=1 cannot "
+            "add the guard to the engine; see the supported versions in the README"
+        )
 
-    @functools.wraps(original)
-    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        config = load_config()
-        if config.enabled:
-            self.kv_transfer_config = compose_kv_transfer_config(
-                self.kv_transfer_config, config, hma=_needs_hybrid_manager(self)
-            )
-        return original(self, *args, **kwargs)
 
-    create_engine_config._kvguard = True  # type: ignore[attr-defined]
-    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+def _add_guard(engine_args: Any) -> None:
+    """Add the guard's connector to an engine being configured, when ``VLLM_KVGUARD=1``
+    (a bad ``VLLM_KVGUARD*`` value raises here and stops start-up)."""
+    config = load_config()
+    if config.enabled:
+        engine_args.kv_transfer_config = compose_kv_transfer_config(
+            engine_args.kv_transfer_config, config, hma=_needs_hybrid_manager(engine_args)
+        )
 
 
 def _needs_hybrid_manager(engine_args: Any) -> bool:
@@ -83,7 +83,7 @@ def _as_dict(ktc: Any) -> dict[str, Any]:
     return {f.name: getattr(ktc, f.name) for f in fields(ktc) if getattr(ktc, f.name) is not None}
 
 
-def _failure_policy(config: KVGuardConfig, user_policy: str | None) -> str:
+def _failure_policy(config: KVGuardConfig, user_policy: str | None) -> Any:
     # raise: vLLM fails the readers of a bad block; quarantine: it recomputes them.
     if config.mode == Mode.RAISE:
         return "fail"
@@ -96,7 +96,7 @@ def compose_kv_transfer_config(ktc: Any, config: KVGuardConfig, *, hma: bool = F
     """The user's KV transfer config with the guard added (idempotent)."""
     from vllm.config import KVTransferConfig
 
-    ours = {
+    ours: dict[str, Any] = {
         "kv_connector": HMA_CONNECTOR if hma else CONNECTOR,
         "kv_connector_module_path": MODULE,
         "kv_role": "kv_both",

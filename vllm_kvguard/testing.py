@@ -11,14 +11,15 @@ from typing import Any
 
 
 def _guard() -> Any:
+    """The guard's worker side (:class:`~vllm_kvguard.connector.worker.KVGuardWorker`) in this worker."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from vllm_kvguard.connector import find_guard
 
     guard = find_guard(get_kv_transfer_group())
-    if guard is None or guard.table is None:
+    if guard is None or guard.worker is None or guard.worker.table is None:
         raise RuntimeError("the KV guard is not running in this worker")
-    return guard
+    return guard.worker
 
 
 def flip_bit(

@@ -139,7 +139,7 @@ def main() -> int:
 
     prefix = list(range(100, 100 + 4 * BS))
     run([req("a", [*prefix, 1, 2], 4)])
-    sealed = sorted(int(b) for b in torch.nonzero(torch.from_numpy(worker.table.sealed)).flatten())
+    sealed = sorted(int(b) for b in torch.nonzero(torch.from_numpy(worker.worker.table.sealed)).flatten())
     # One bit of a sealed prefix page (V part: K and V are separate runs of the page).
     kv.view(torch.uint8).view(2, NB, -1)[1, sealed[1], 5] ^= 0x40
     run([req("b", [*prefix, 3, 4], 4), req("c", [*prefix, 5], 4)])
@@ -162,7 +162,7 @@ def main() -> int:
                 "vllm": vllm.__version__,
                 "scheduler_connector": type(scheduler.connector).__name__,
                 "requires_kv_delivery": scheduler.requires_kv_delivery,
-                "deferred": worker.pages.deferred,
+                "deferred": worker.worker.pages.deferred,
                 "sealed_by_a": sealed,
                 "flipped": sealed[1],
                 "handled_after_flip": after_flip,
@@ -176,7 +176,7 @@ def main() -> int:
                     if line["event"] == "kv_block_corrupted"
                 ],
                 "stats": stats,
-                "internal_errors": worker.internal_errors,
+                "internal_errors": worker.worker.internal_errors,
             }
         )
     )

@@ -2,7 +2,7 @@
 output) on a real vLLM engine, with Triton's interpreter standing in for the GPU.
 
 Run by tests/engine/test_device_path.py in its own process with TRITON_INTERPRET=1
-(Triton reads it when a kernel is built; see tests/unit/kernel_cases.py).
+(Triton reads it when a kernel is built; see tests/unit/digest/kernel_cases.py).
 ``VLLM_KVGUARD_HASH=kvg64`` makes the guard take the kernel path for the CPU KV
 cache: the same code a GPU worker runs, minus CUDA events and pinned copies.
 """

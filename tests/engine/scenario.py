@@ -7,7 +7,7 @@ from typing import Any
 
 from tests.engine.harness import BLOCK, words
 from vllm_kvguard import testing
-from vllm_kvguard.workload import Workload
+from vllm_kvguard.tools.workload import Workload
 
 CLEAN = Workload(prefixes=3, per_prefix=6, prefix_words=150, suffix_words=6, max_tokens=40, seed=3)
 PREFIX_BLOCKS = 4

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.engine
 def test_bench_reports_medians_and_ratios(tiny_model: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_KVGUARD")}
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_kvguard.cli", "bench", "--model", tiny_model, "--repeats", "1",
+        [sys.executable, "-m", "vllm_kvguard.tools.cli", "bench", "--model", tiny_model, "--repeats", "1",
          "--configs", "off,paranoid", "--workdir", str(tmp_path), "--json"],
         env=env, capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.engine.harness import read_log
-from vllm_kvguard.drill import row_key
+from vllm_kvguard.tools.drill import row_key
 
 pytestmark = pytest.mark.engine
-KVGUARD = [sys.executable, "-m", "vllm_kvguard.cli"]
+KVGUARD = [sys.executable, "-m", "vllm_kvguard.tools.cli"]
 
 
 def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from vllm_kvguard.config import load_config
-from vllm_kvguard.events import RequestAffected
+from vllm_kvguard.core.events import RequestAffected
 from vllm_kvguard.logs import LOGGER_NAME, GuardLog, vllm_logs_json
 
 

@@ -1,6 +1,7 @@
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from vllm_kvguard.metrics import SERIES, GuardCounters, Recorder, build_metrics, exported_names
+from vllm_kvguard.core.counters import GuardCounters
+from vllm_kvguard.metrics import SERIES, Recorder, build_metrics, exported_names
 
 
 def test_counters_round_trip_and_merge() -> None:

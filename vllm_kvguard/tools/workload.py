@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from vllm_kvguard.tinymodel import WORDS
+from vllm_kvguard.tools.tinymodel import WORDS
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 import pytest
 
+from vllm_kvguard.core.faults import FaultKind, FaultSpec, FaultTracker, parse_fault_spec
 from vllm_kvguard.errors import KVGuardConfigError
-from vllm_kvguard.faults import FaultKind, FaultSpec, FaultTracker, parse_fault_spec
 
 
 def test_parse_full_spec() -> None:
@@ -69,8 +69,8 @@ def test_outcomes_detected_escaped_not_read_no_change() -> None:
 
 
 def test_write_time_faults_are_nan_only_and_read_at_once() -> None:
+    from vllm_kvguard.core.faults import FaultSite
     from vllm_kvguard.errors import KVGuardConfigError
-    from vllm_kvguard.faults import FaultSite
 
     (spec,) = parse_fault_spec("nan:at=write")
     assert spec.at == FaultSite.WRITE

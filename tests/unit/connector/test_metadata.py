@@ -1,7 +1,7 @@
 """Device checks settled with the step's output (the pure part: no kernel, no engine).
 
 The kernel and the whole path on a real engine are tested under Triton's interpreter
-(tests/unit/kernel_cases.py, tests/engine/device_path_cases.py); here: what the
+(tests/unit/digest/kernel_cases.py, tests/engine/device_path_cases.py); here: what the
 worker metadata does with settled results, and that a check that cannot be read
 back fails open.
 """
@@ -13,9 +13,9 @@ import threading
 
 import torch
 
-from vllm_kvguard.connector import DeferredDetections, KVGuardWorkerMetadata
+from vllm_kvguard.connector.metadata import DeviceCheck, KVGuardWorkerMetadata
 from vllm_kvguard.digest import PendingCheck
-from vllm_kvguard.kernel import MISMATCH, NONFINITE
+from vllm_kvguard.digest.kernel import MISMATCH, NONFINITE
 
 
 def _check(flags: list[list[int]], actual: list[list[int]], expected: list[list[int]]) -> PendingCheck:
@@ -27,10 +27,8 @@ def _check(flags: list[list[int]], actual: list[list[int]], expected: list[list[
     )
 
 
-def _deferred(
-    check: PendingCheck, kind: str = "checksum_mismatch", report: bool = True
-) -> DeferredDetections:
-    return DeferredDetections(check, 1, ["l0", "l1"], "reuse", 7, {11: ["req-a"]}, kind, report)
+def _deferred(check: PendingCheck, kind: str = "checksum_mismatch", report: bool = True) -> DeviceCheck:
+    return DeviceCheck(check, 1, ["l0", "l1"], "reuse", 7, {11: ["req-a"]}, kind, report)
 
 
 def test_settled_mismatches_become_detections_and_bad_blocks() -> None:
@@ -110,7 +108,46 @@ def test_one_launch_for_hits_and_scrub_pages_keeps_each_trigger() -> None:
     check = _check([[MISMATCH, 0], [0, MISMATCH]], [[1, 2], [3, 4]], [[0, 2], [3, 0]])
     deferred = _deferred(check)
     deferred.triggers = {11: "scrub"}
-    assert [(d.block_id, d.trigger, d.readers) for d in deferred.detections()] == [
+    assert [(d.block_id, d.trigger, d.readers) for d in deferred.settle()] == [
         (10, "reuse", ()),
         (11, "scrub", ("req-a",)),
     ]
+
+
+class _Once(PendingCheck):
+    """Reads back once; a second read would fail (the device buffers are gone)."""
+
+    def __init__(self, inner: PendingCheck) -> None:
+        self.block_ids = inner.block_ids
+        self._inner, self.reads = inner, 0
+
+    def settle(self) -> list[tuple[int, int, int, int, int]]:
+        self.reads += 1
+        if self.reads > 1:
+            raise RuntimeError("read back twice")
+        return self._inner.settle()
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_a_check_is_settled_once_and_every_reader_gets_the_kept_result() -> None:
+    once = _Once(_check([[0, 0], [0, MISMATCH]], [[1, 2], [3, 4]], [[1, 2], [3, 5]]))
+    deferred = _deferred(once)
+    assert not deferred.settled and deferred.ready()
+    # The worker (forgetting bad seals) and the scheduler side (the step's output) both read it.
+    assert deferred.invalid() == {11}
+    meta = KVGuardWorkerMetadata(pending=[deferred])
+    meta.settle()
+    assert deferred.settled and once.reads == 1
+    assert meta.invalid == {11} and [d.block_id for d in meta.detections] == [11]
+    assert meta.internal_errors == []
+
+
+def test_a_failed_read_back_is_kept_and_reported_once() -> None:
+    deferred = _deferred(_Broken())
+    assert deferred.invalid() == set() and deferred.error is not None
+    meta = KVGuardWorkerMetadata(pending=[deferred])
+    meta.settle()
+    meta.settle()
+    assert len(meta.internal_errors) == 1 and meta.detections == []

@@ -10,7 +10,7 @@ It spends no more than it must: each step it earns ``sealed pages x elapsed /
 interval`` pages of credit, capped by the per-step budget, and scrubs the whole
 pages the credit buys. When the budget cannot keep up (too many pages for the
 interval) :attr:`Scrubber.behind` says so, and the oldest-unverified-page age
-(:meth:`vllm_kvguard.ledger.BlockLedger.oldest_unverified_age`) grows past the
+(:meth:`vllm_kvguard.core.ledger.BlockLedger.oldest_unverified_age`) grows past the
 interval. Scrubbing runs inside engine steps: an idle engine does not scrub
 (every prefix-cache hit is still verified before it is read).
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_kvguard.ledger import BlockLedger, BlockState
+from vllm_kvguard.core.ledger import BlockLedger, BlockState
 
 _WINDOW = 4096  # blocks scanned per slice when looking for sealed pages
 _RECOUNT_S = 0.25  # how often the number of sealed pages is recounted (an O(blocks) pass)

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from vllm_kvguard.config import Mode, load_config, variable_names
+from vllm_kvguard.core.faults import parse_fault_spec
 from vllm_kvguard.errors import KVGuardConfigError
-from vllm_kvguard.faults import parse_fault_spec
 
 
 def _spec(text: str) -> str:
@@ -31,7 +31,7 @@ def _requests(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    from vllm_kvguard.drill import DEFAULT_SPEC
+    from vllm_kvguard.tools.drill import DEFAULT_SPEC
 
     top = argparse.ArgumentParser(
         prog="kvguard", description="vllm-kvguard: KV-cache page checksums for vLLM"
@@ -88,7 +88,7 @@ def _positive(flag: str):
 
 
 def _configs(text: str) -> list[str]:
-    from vllm_kvguard.bench import CONFIGS
+    from vllm_kvguard.tools.bench import CONFIGS
 
     names = [c.strip() for c in text.split(",") if c.strip()]
     bad = [c for c in names if c not in CONFIGS]
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"variables": variable_names(), "effective": config.to_dict()}, indent=2))
         return 0
     if args.command == "bench":
-        from vllm_kvguard import bench
+        from vllm_kvguard.tools import bench
 
         try:
             result = bench.run_bench(
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(json.dumps(result, indent=2) if args.json else bench.render(result))
         return 0
-    from vllm_kvguard.drill import render, run_drill
+    from vllm_kvguard.tools.drill import render, run_drill
 
     try:
         report = run_drill(

@@ -10,24 +10,21 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from vllm_kvguard.connector import KVGuardConnector
+from vllm_kvguard.connector.scheduler import scheduled_requests
 
 BS = 4
 
 
 def _view(cached: Any, new: list[Any]) -> list[Any]:
     tables = {"run": [1, 2, 3], "back": [7, 8, 9]}
-    guard = SimpleNamespace(
-        block_size=BS,
-        _kv_cache_manager=SimpleNamespace(get_block_ids=lambda req_id: (tables[req_id],)),
-    )
+    manager = SimpleNamespace(get_block_ids=lambda req_id: (tables[req_id],))
     so = SimpleNamespace(
         scheduled_spec_decode_tokens={},
         num_scheduled_tokens={"run": 1, "back": 3, "fresh": 6},
         scheduled_new_reqs=new,
         scheduled_cached_reqs=cached,
     )
-    return KVGuardConnector._scheduled(guard, so)  # type: ignore[arg-type]
+    return scheduled_requests(so, BS, manager)  # type: ignore[arg-type]
 
 
 def _row(r: Any) -> tuple[Any, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 WORDS = 480
 _SPECIAL = ["<unk>", "<s>", "</s>"]
@@ -41,7 +42,7 @@ def build_tiny_model(
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
     out = Path(path)
     spec = {
@@ -65,7 +66,7 @@ def build_tiny_model(
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out)
 
-    common = {
+    common: dict[str, Any] = {
         "vocab_size": len(vocab),
         "hidden_size": hidden,
         "intermediate_size": hidden * 2,
@@ -80,6 +81,7 @@ def build_tiny_model(
         "torch_dtype": "bfloat16",
     }
     torch.manual_seed(seed)
+    model: PreTrainedModel
     if family == "gemma2":
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -92,10 +94,11 @@ def build_tiny_model(
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     else:
         raise ValueError(f"family={family!r}: expected llama or gemma2")
-    model = model.to(torch.bfloat16)
+    model = model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types .to() oddly
     if nan_word is not None:
         with torch.no_grad():
-            model.get_input_embeddings().weight[vocab[f"w{nan_word}"]] = float("nan")
+            embeddings: Any = model.get_input_embeddings()
+            embeddings.weight[vocab[f"w{nan_word}"]] = float("nan")
     model.save_pretrained(out)
     marker.write_text(json.dumps(spec))
     return out

@@ -1,7 +1,7 @@
 import pytest
 
-from vllm_kvguard.ledger import BlockLedger, BlockState
-from vllm_kvguard.scrub import Scrubber
+from vllm_kvguard.core.ledger import BlockLedger, BlockState
+from vllm_kvguard.core.scrub import Scrubber
 
 
 def _ledger(sealed: list[int], n: int = 10_000) -> BlockLedger:

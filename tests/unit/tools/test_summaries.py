@@ -1,4 +1,4 @@
-from vllm_kvguard.drill import render, summarize
+from vllm_kvguard.tools.drill import render, summarize
 
 
 def _line(event, t, **kw):
@@ -50,7 +50,7 @@ def test_clean_summary_passes() -> None:
 
 
 def test_bench_summary_medians_and_ratios() -> None:
-    from vllm_kvguard.bench import render, summarize
+    from vllm_kvguard.tools.bench import render, summarize
 
     def run(tps, ttft, itl, share):
         return {

@@ -13,17 +13,16 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from vllm_kvguard.childrun import Progress, engine_env, run_child
 from vllm_kvguard.config import Mode
-from vllm_kvguard.faults import parse_fault_spec
-from vllm_kvguard.workload import Workload
+from vllm_kvguard.core.faults import parse_fault_spec
+from vllm_kvguard.tools.childrun import Progress, engine_env, prepare, run_child
+from vllm_kvguard.tools.workload import Workload
 
 DEFAULT_SPEC = (
     "bitflip:count=3,seed=11;overwrite:count=1,seed=12;zero:count=1,seed=13;nan:count=1,seed=14;"
@@ -149,7 +148,9 @@ def summarize(
 
 
 def render(report: DrillReport) -> str:
-    rows = [("fault kind", "injected", "read", "detected", "escaped", "not read", "no change")]
+    rows: list[tuple[str, ...]] = [
+        ("fault kind", "injected", "read", "detected", "escaped", "not read", "no change")
+    ]
     for kind, row in sorted(report.by_kind.items()):
         rows.append((kind, *map(str, asdict(row).values())))
     rows.append(("total", *map(str, asdict(report.total).values())))
@@ -181,24 +182,6 @@ def render(report: DrillReport) -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------- child side
-
-
-def _child(args: dict[str, Any]) -> None:
-    """Run the workload through one engine; write the outputs as JSON."""
-    from vllm import LLM, SamplingParams
-
-    workload = Workload(**args["workload"])
-    llm = LLM(model=args["model"], **ENGINE_ARGS)
-    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens)
-    texts: list[str | None] = []
-    for wave in workload.waves():
-        for out in llm.generate(wave, params, use_tqdm=False):
-            completion = out.outputs[0]
-            texts.append(None if completion.finish_reason == "error" else completion.text)
-    Path(args["out"]).write_text(json.dumps(texts))
-
-
 # ---------------------------------------------------------------- parent side
 
 
@@ -212,24 +195,15 @@ def run_drill(
     progress: TextIO = sys.stderr,
 ) -> DrillReport:
     parse_fault_spec(spec, variable="--inject")
-    work = Path(workdir or tempfile.mkdtemp(prefix="kvguard-drill-"))
-    work.mkdir(parents=True, exist_ok=True)
     show = Progress(progress)
-    if model is None:
-        from vllm_kvguard.tinymodel import build_tiny_model
-
-        model = str(
-            show.run(
-                "[1/3] building a tiny random-weight model", lambda: build_tiny_model(work / "tiny-model")
-            )
-        )
+    work, model = prepare(workdir, "kvguard-drill-", model, show, "[1/3] building a tiny random-weight model")
     per_prefix = max(2, requests // 4)
     workload = asdict(Workload(prefixes=4, per_prefix=per_prefix))
     base = {"model": model, "workload": workload}
     reference = show.run(
         "[2/3] clean run (plain vLLM, guard off)",
         lambda: run_child(
-            "vllm_kvguard.drill",
+            "drill",
             {**base, "out": str(work / "reference.json")},
             engine_env({}),
             work / "reference.log",
@@ -247,15 +221,9 @@ def run_drill(
     )
     outputs = show.run(
         f"[3/3] guarded run with faults ({spec})",
-        lambda: run_child(
-            "vllm_kvguard.drill", {**base, "out": str(work / "guarded.json")}, env, work / "guarded.log"
-        ),
+        lambda: run_child("drill", {**base, "out": str(work / "guarded.json")}, env, work / "guarded.log"),
     )
     lines = [json.loads(line) for line in guard_log.read_text().splitlines() if line.strip()]
     report = summarize(lines, outputs, reference, mode=str(mode), spec=spec)
     progress.write(f"engine logs and the guard's log are in {work}\n")
     return report
-
-
-if __name__ == "__main__":
-    _child(json.loads(sys.argv[1]))

@@ -1,4 +1,4 @@
-from vllm_kvguard.ledger import BlockLedger, BlockState, ScheduledRequest, Violation
+from vllm_kvguard.core.ledger import BlockLedger, BlockState, ScheduledRequest, Violation
 
 BS = 4
 

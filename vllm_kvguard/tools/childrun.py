@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -58,11 +59,26 @@ class Progress:
             self.stream.flush()
 
 
-def run_child(module: str, args: dict[str, Any], env: dict[str, str], log: Path) -> Any:
-    """Run ``python -m module ARGS_JSON``; return the JSON it wrote to ``args["out"]``."""
+def prepare(
+    workdir: Path | None, prefix: str, model: str | None, show: Progress, label: str, **build: Any
+) -> tuple[Path, str]:
+    """The run's work folder (``workdir``, or a new temporary one) and the model to run:
+    ``model``, or a random-weight Llama built offline into the work folder (``build``:
+    its shape, see :func:`~vllm_kvguard.tools.tinymodel.build_tiny_model`)."""
+    work = Path(workdir or tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    if model is None:
+        from vllm_kvguard.tools.tinymodel import build_tiny_model
+
+        model = str(show.run(label, lambda: build_tiny_model(work / "model", **build)))
+    return work, model
+
+
+def run_child(job: str, args: dict[str, Any], env: dict[str, str], log: Path) -> Any:
+    """Run ``job`` of :mod:`.child` in its own process; return the JSON it wrote to ``args["out"]``."""
     with log.open("w") as err:
         proc = subprocess.run(
-            [sys.executable, "-m", module, json.dumps(args)],
+            [sys.executable, "-m", "vllm_kvguard.tools.child", json.dumps({**args, "job": job})],
             env=env,
             stdout=err,
             stderr=subprocess.STDOUT,

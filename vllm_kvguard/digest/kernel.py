@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vllm_kvguard.digest import EXPONENT_TESTS
+from vllm_kvguard.digest.dtypes import EXPONENT_TESTS
 
 P1 = 0x9E3779B185EBCA87
 P2 = 0xC2B2AE3D27D4EB4F
@@ -187,7 +187,7 @@ class PageGeometry:
 
     ``tensors`` have blocks on dim 0 and the same page layout (runs, block stride,
     dtype); ``runs`` are each page's contiguous byte runs (offset from the page
-    start, length), as :func:`vllm_kvguard.digest._page_runs` gives them. The
+    start, length), as :func:`vllm_kvguard.digest.pages.page_runs` gives them. The
     layers are addressed from the first one's storage by byte offsets, so one
     launch covers every layer of a step's pages.
     """

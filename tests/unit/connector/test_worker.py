@@ -1,0 +1,97 @@
+"""The worker side on its own: seal after the forward, verify before the read, report bad blocks.
+
+No engine here (tests/engine has those): the role object is driven in vLLM's call order
+with the metadata the scheduler side would send, over a CPU KV tensor in vLLM's CPU
+layout, to pin down what the worker does with each part of the plan.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from vllm_kvguard.config import load_config
+from vllm_kvguard.connector.metadata import KVGuardMetadata
+from vllm_kvguard.connector.worker import KVGuardWorker
+from vllm_kvguard.core.ledger import StepPlan
+from vllm_kvguard.logs import GuardLog
+
+BLOCKS = 6
+
+
+def _worker(**env: str) -> tuple[KVGuardWorker, torch.Tensor]:
+    config = load_config({"VLLM_KVGUARD": "1", "VLLM_KVGUARD_SCRUB_INTERVAL": "0", **env})
+    worker = KVGuardWorker(config, BLOCKS, rank=0, log=GuardLog(config, role="worker", rank=0))
+    # vLLM's CPU layout: (num_blocks, kv_heads, 2 * block_size, head_size).
+    kv = torch.randn(BLOCKS, 2, 2 * 32, 64).to(torch.bfloat16)
+    worker.register_kv_caches({"model.layers.0.self_attn.attn": kv})
+    return worker, kv
+
+
+def _step(worker: KVGuardWorker, meta: KVGuardMetadata) -> tuple[set[int], object]:
+    worker.bind_connector_metadata(meta)
+    worker.wait_for_layer_load("model.layers.0.self_attn.attn")
+    worker.wait_for_save()
+    bad = worker.get_block_ids_with_load_errors()
+    out = worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    return bad, out
+
+
+def test_sealed_page_that_changed_is_reported_on_reuse() -> None:
+    worker, kv = _worker()
+    bad, _ = _step(worker, KVGuardMetadata(StepPlan(1, seal=[2, 3])))
+    assert bad == set() and worker.table is not None and worker.table.sealed[[2, 3]].all()
+    kv[3].view(torch.uint8).view(-1)[17] ^= 0x10
+    bad, out = _step(worker, KVGuardMetadata(StepPlan(2, verify=[2, 3], readers={3: ["req-b"]})))
+    assert bad == {3}
+    [d] = out.detections  # type: ignore[attr-defined]
+    assert (d.block_id, d.readers, d.trigger, d.step) == (3, ("req-b",), "reuse", 2)
+    # Its readers recompute it: the old seal means nothing now.
+    assert not worker.table.sealed[3] and worker.table.sealed[2]
+
+
+def test_read_verification_covers_pages_running_requests_read() -> None:
+    worker, kv = _worker(VLLM_KVGUARD_VERIFY="paranoid")
+    _step(worker, KVGuardMetadata(StepPlan(1, seal=[1, 4])))
+    kv[4, 1, 5, 7] = -kv[4, 1, 5, 7] - 1
+    meta = KVGuardMetadata(StepPlan(2, read_verify=[1, 4]), read_trigger="paranoid")
+    bad, out = _step(worker, meta)
+    assert bad == {4}
+    assert [(d.block_id, d.trigger) for d in out.detections] == [(4, "paranoid")]  # type: ignore[attr-defined]
+
+
+def test_log_mode_reports_nothing_to_vllm() -> None:
+    worker, kv = _worker(VLLM_KVGUARD_MODE="log")
+    _step(worker, KVGuardMetadata(StepPlan(1, seal=[0])))
+    kv[0].zero_()
+    bad, out = _step(worker, KVGuardMetadata(StepPlan(2, verify=[0])))
+    assert bad == set() and len(out.detections) == 1  # type: ignore[attr-defined]
+
+
+def test_nan_written_into_a_page_as_it_is_sealed_is_flagged_and_zeroed() -> None:
+    worker, kv = _worker()
+    kv[5, 0, 3, 3] = float("nan")
+    _, out = _step(worker, KVGuardMetadata(StepPlan(1, seal=[5])))
+    assert [(d.block_id, d.kind) for d in out.detections] == [(5, "nonfinite")]  # type: ignore[attr-defined]
+    assert torch.isfinite(kv[5]).all()
+
+
+def test_a_hook_without_new_metadata_does_not_replay_the_last_step() -> None:
+    worker, kv = _worker()
+    _step(worker, KVGuardMetadata(StepPlan(1, seal=[2])))
+    sealed_digest = int(worker.table.digests[2, 0])  # type: ignore[union-attr]
+    kv[2].zero_()
+    worker.wait_for_save()  # vLLM cleared the metadata: nothing to seal again
+    assert int(worker.table.digests[2, 0]) == sealed_digest  # type: ignore[union-attr]
+
+
+def test_internal_error_is_forwarded_to_the_scheduler_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    worker, _ = _worker()
+    with caplog.at_level(logging.ERROR, logger="vllm.kvguard"):
+        worker.internal_error("wait_for_save", RuntimeError("boom"))
+    out = worker.build_connector_worker_meta()
+    assert out is not None and out.internal_errors == ["wait_for_save: RuntimeError('boom')"]
+    assert "kvguard_internal_error" in caplog.text

@@ -1,0 +1,106 @@
+"""Every mode x finding of core/policy.py: what the scheduler side is told to do."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_kvguard.config import Mode
+from vllm_kvguard.core import policy
+from vllm_kvguard.core.events import Action
+from vllm_kvguard.core.ledger import Violation
+
+
+@pytest.mark.parametrize(
+    ("mode", "action", "outcome", "evict", "quarantine", "fail"),
+    [
+        (Mode.QUARANTINE, Action.QUARANTINED_RECOMPUTED, "recomputed", True, True, False),
+        # vLLM's fail policy evicts the block and the readers' later blocks itself.
+        (Mode.RAISE, Action.REQUESTS_FAILED, "failed", False, True, True),
+        (Mode.LOG, Action.LOGGED, "logged", False, False, False),
+    ],
+)
+def test_corruption(
+    mode: Mode, action: Action, outcome: str, evict: bool, quarantine: bool, fail: bool
+) -> None:
+    d = policy.on_corruption(mode)
+    assert (d.action, d.outcome, d.evict, d.quarantine, d.fail_readers) == (
+        action,
+        outcome,
+        evict,
+        quarantine,
+        fail,
+    )
+    assert not d.invalidate and not d.fail_holder
+
+
+@pytest.mark.parametrize(
+    ("mode", "again", "action", "outcome", "invalidate", "fail", "counted"),
+    [
+        (Mode.QUARANTINE, False, Action.RECOMPUTED, "recomputed", True, False, True),
+        # Written non-finite again after one recompute: the model computes it; no loop.
+        (Mode.QUARANTINE, True, Action.EVICTED, "logged", False, False, False),
+        (Mode.RAISE, False, Action.REQUESTS_FAILED, "failed", True, True, True),
+        (Mode.RAISE, True, Action.REQUESTS_FAILED, "failed", True, True, True),
+        (Mode.LOG, False, Action.LOGGED, "logged", False, False, False),
+        (None, True, Action.LOGGED, "logged", False, False, False),
+    ],
+)
+def test_nonfinite(
+    mode: Mode | None, again: bool, action: Action, outcome: str, invalidate: bool, fail: bool, counted: bool
+) -> None:
+    d = policy.on_nonfinite(mode, again)
+    assert (d.action, d.outcome, d.invalidate, d.fail_readers, d.count_recompute) == (
+        action,
+        outcome,
+        invalidate,
+        fail,
+        counted,
+    )
+    # Out of the prefix cache whenever the guard acts at all.
+    assert d.evict == (mode in (Mode.QUARANTINE, Mode.RAISE))
+    assert (d.reason == policy.NONFINITE_AGAIN) == (mode == Mode.QUARANTINE and again)
+
+
+@pytest.mark.parametrize("mode", [Mode.QUARANTINE, Mode.RAISE])
+def test_block_stolen_from_its_writer_fails_the_writer_in_both_acting_modes(mode: Mode) -> None:
+    d = policy.on_violation(mode, Violation.DOUBLE_ALLOCATION, has_holder=True)
+    assert (d.action, d.fail_holder, d.invalidate, d.fail_readers) == (
+        Action.REQUESTS_FAILED,
+        True,
+        False,
+        False,
+    )
+
+
+@pytest.mark.parametrize("what", [Violation.QUARANTINED_REUSED, Violation.FREE_BLOCK_READ])
+@pytest.mark.parametrize(
+    ("mode", "action", "fail"),
+    [(Mode.QUARANTINE, Action.RECOMPUTED, False), (Mode.RAISE, Action.REQUESTS_FAILED, True)],
+)
+def test_unreadable_block_is_reported_to_vllm(
+    what: Violation, mode: Mode, action: Action, fail: bool
+) -> None:
+    d = policy.on_violation(mode, what, has_holder=False)
+    assert (d.action, d.invalidate, d.fail_readers, d.fail_holder) == (action, True, fail, False)
+
+
+@pytest.mark.parametrize(
+    ("what", "holder"),
+    [(Violation.QUARANTINED_ALLOCATED, False), (Violation.DOUBLE_ALLOCATION, False)],
+)
+@pytest.mark.parametrize("mode", list(Mode))
+def test_violations_nothing_can_act_on_are_logged(what: Violation, holder: bool, mode: Mode) -> None:
+    d = policy.on_violation(mode, what, has_holder=holder)
+    assert d == policy.Decision(Action.LOGGED, "logged")
+
+
+@pytest.mark.parametrize("what", list(Violation))
+def test_log_mode_only_logs_violations(what: Violation) -> None:
+    assert policy.on_violation(Mode.LOG, what, has_holder=True) == policy.Decision(Action.LOGGED, "logged")
+
+
+def test_quarantine_limit_and_pinning() -> None:
+    assert policy.quarantine_limit(0.01, 1000) == 10
+    assert policy.quarantine_limit(0.0001, 1000) == 1  # at least one block
+    assert policy.quarantine_limit(0.0, 1000) == 0  # 0 turns pinning off
+    assert policy.pins(10, 10) and not policy.pins(11, 10) and not policy.pins(1, 0)

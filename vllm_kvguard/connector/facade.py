@@ -1,0 +1,326 @@
+"""The guard's KV connector as vLLM loads it: a thin facade over one role.
+
+vLLM builds one connector in the engine core (role SCHEDULER) and one in each worker
+(role WORKER). Like vLLM's own NIXL connector, :class:`KVGuardConnector` only
+delegates: scheduler hooks to :class:`~.scheduler.KVGuardScheduler`, worker hooks to
+:class:`~.worker.KVGuardWorker` (exactly one of ``scheduler`` / ``worker`` is set).
+Every hook runs fail-open (:func:`fail_open`): a bug in the guard is logged and
+counted, never takes serving down. docs/design.md lists where each hook lands.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+
+from vllm_kvguard.config import KVGuardConfig, load_config
+from vllm_kvguard.connector import patches
+from vllm_kvguard.connector.metadata import KVGuardMetadata, KVGuardWorkerMetadata
+from vllm_kvguard.connector.scheduler import KVGuardScheduler
+from vllm_kvguard.connector.stats import KVGuardPromMetrics, KVGuardStats
+from vllm_kvguard.connector.worker import KVGuardWorker
+from vllm_kvguard.logs import GuardLog
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+CONFIG_KEY = "kvguard"
+T = TypeVar("T")
+
+
+class _Side(Protocol):
+    hook_seconds: float
+
+    def internal_error(self, where: str, exc: Exception) -> None: ...
+
+
+def fail_open(default: Callable[[Any], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Run a hook so that a bug in the guard never takes serving down.
+
+    The role counts and logs the error (the 1st, 2nd, 4th, 8th... occurrence with its
+    traceback); the hook returns a neutral value (``default(self)``), which leaves the
+    step unguarded: pages not sealed this step are not verified later (the worker only
+    verifies what it sealed). See docs/design.md, "Internal errors". The time spent in
+    the hook is the guard's own cost (``vllm:kvguard_overhead_seconds``).
+    """
+
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def hook(self: KVGuardConnector, *args: Any, **kwargs: Any) -> T:
+            side = self._side
+            start = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as exc:
+                side.internal_error(fn.__name__, exc)
+                return default(self)
+            finally:
+                side.hook_seconds += time.perf_counter() - start
+
+        return hook
+
+    return wrap
+
+
+def _nothing_to_send(_connector: Any) -> tuple[bool, dict[str, Any] | None]:
+    # request_finished's neutral answer: free the blocks now, no KV handed off.
+    return False, None
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def find_guard(connector: object) -> KVGuardConnector | None:
+    """The guard inside ``connector`` (itself, or a child of a MultiConnector)."""
+    if isinstance(connector, KVGuardConnector):
+        return connector
+    children = getattr(connector, "sub_connectors", None) or getattr(connector, "_connectors", None) or ()
+    for child in children:
+        if isinstance(child, KVGuardConnector):
+            return child
+    return None
+
+
+class KVGuardConnector(KVConnectorBase_V1):
+    """Checksums every full KV page; verifies it before a request reads it."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        # The front end validated the environment and shipped the result; a
+        # connector configured by hand (no plugin) reads the environment itself.
+        self.config: KVGuardConfig = (
+            KVGuardConfig.from_dict(extra[CONFIG_KEY]) if CONFIG_KEY in extra else load_config()
+        )
+        model = getattr(vllm_config.model_config, "served_model_name", None) or getattr(
+            vllm_config.model_config, "model", "?"
+        )
+        if isinstance(model, list):
+            model = model[0]
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        rank = 0 if is_scheduler else _rank()
+        log = GuardLog(
+            self.config,
+            role="scheduler" if is_scheduler else "worker",
+            rank=rank,
+            # vLLM's metrics label engines by index; the id ties lines to vLLM's own logs.
+            engine=str(vllm_config.parallel_config.data_parallel_rank or 0),
+            engine_id=str(self._kv_transfer_config.engine_id),
+            model_name=str(model),
+        )
+        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        # vLLM maps reported bad blocks back to requests only with one KV cache group.
+        self.active = groups == 1
+        num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
+        self.scheduler: KVGuardScheduler | None = None
+        self.worker: KVGuardWorker | None = None
+        if is_scheduler:
+            bytes_per_block = (
+                sum(t.size for t in kv_cache_config.kv_cache_tensors) // max(1, num_blocks)
+                if kv_cache_config is not None
+                else 0
+            )
+            self.scheduler = KVGuardScheduler(
+                self.config,
+                log,
+                num_blocks=num_blocks,
+                block_size=vllm_config.cache_config.block_size,
+                bytes_per_block=bytes_per_block,
+                num_layers=max(1, vllm_config.model_config.get_num_layers(vllm_config.parallel_config)),
+                model_name=str(model),
+                details={
+                    "kv_load_failure_policy": self._kv_transfer_config.kv_load_failure_policy,
+                    "active": self.active,
+                    "kv_cache_groups": groups,
+                },
+            )
+            patches.patch_scheduler()
+            if not self.active:
+                log.line(
+                    "kvguard_inactive",
+                    level="warning",
+                    reason=(
+                        f"the model has {groups} KV cache groups (hybrid model); vLLM can only "
+                        "recompute single blocks with one group, so the guard does not run"
+                    ),
+                )
+            self._side: _Side = self.scheduler
+        else:
+            self.worker = KVGuardWorker(self.config, num_blocks, rank, log)
+            self._side = self.worker
+
+    # ------------------------------------------------------------------ worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        if self.active and kv_caches:
+            self.worker.register_kv_caches(kv_caches)
+
+    @fail_open(lambda self: None)
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert self.worker is not None
+        meta = connector_metadata if isinstance(connector_metadata, KVGuardMetadata) else None
+        self.worker.bind_connector_metadata(meta)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        assert self.worker is not None
+        self.worker.clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return
+
+    @fail_open(lambda self: None)
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self.worker is not None
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # The guard hands no KV off: vLLM must not drop a preempted request's in-flight
+        # output on its account (kv_role kv_both would otherwise make it a producer).
+        return False
+
+    @fail_open(lambda self: None)
+    def finish_forward(self) -> None:
+        # The model no longer reads this step's KV (called by the GPU model runner right
+        # after the forward, before the step's connector output is collected).
+        assert self.worker is not None
+        self.worker.finish_forward()
+
+    @fail_open(lambda self: None)
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        self.worker.wait_for_save()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self.worker is not None
+        return self.worker.build_connector_worker_meta()
+
+    def unregister_kv_caches(self) -> None:
+        assert self.worker is not None
+        self.worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up the same tensors hold the KV cache again; pages are sealed anew as written."""
+        return
+
+    # --------------------------------------------------------------- scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        return
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        assert self.scheduler is not None
+        self.scheduler.block_pool = gpu_block_pool
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self.scheduler is not None
+        self.scheduler.kv_cache_manager = kv_cache_manager
+
+    @fail_open(lambda self: self.scheduler.empty_metadata())
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        if not self.active:
+            return self.scheduler.empty_metadata()
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    @fail_open(lambda self: None)
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVGuardWorkerMetadata):
+            self.scheduler.update_connector_output(meta)
+
+    @fail_open(_nothing_to_send)
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        if self.active:
+            self.scheduler.request_finished(request.request_id)
+        return False, None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.scheduler is None:
+            return None
+        delta = self.scheduler.stats()
+        return None if delta is None else KVGuardStats(data=delta)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVGuardStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVGuardPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+
+
+class KVGuardHMAConnector(KVGuardConnector, SupportsHMA):
+    """The guard for engines that keep vLLM's hybrid KV cache manager.
+
+    With one KV cache group it guards as usual. With several (a hybrid model) vLLM
+    cannot map a bad block back to requests (``_handle_invalid_blocks`` refuses
+    several groups), so the guard stands aside: ``kvguard_inactive`` at start-up,
+    nothing sealed, serving unchanged (docs/design.md, "Hybrid models").
+    """
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self.active and block_ids:
+            return self.request_finished(request, block_ids[0])
+        return False, None

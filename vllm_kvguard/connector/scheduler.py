@@ -1,0 +1,458 @@
+"""The scheduler side of the guard: plan each step, act on what the workers found.
+
+One instance in the engine core process, behind the
+:class:`~vllm_kvguard.connector.facade.KVGuardConnector` facade. ``build_connector_meta``
+turns vLLM's ``SchedulerOutput`` into ledger views, lets the ledger plan the step
+(seal, forget, verify) and adds scrub pages and drill faults; ``update_connector_output``
+takes the workers' detections, asks :mod:`vllm_kvguard.core.policy` what to do and does
+it against vLLM's block pool (evict, pin, report unreadable, end requests), with one log
+line and the counters for each finding.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+from vllm_kvguard.config import KVGuardConfig, VerifyPolicy
+from vllm_kvguard.connector.metadata import KVGuardMetadata, KVGuardWorkerMetadata
+from vllm_kvguard.core import policy
+from vllm_kvguard.core.counters import GuardCounters
+from vllm_kvguard.core.events import (
+    BlockCorrupted,
+    BlockNonFinite,
+    BlockQuarantined,
+    Detection,
+    FaultInjected,
+    FaultOutcome,
+    GuardStarted,
+    LifecycleViolationFound,
+    RequestAffected,
+)
+from vllm_kvguard.core.faults import FaultSite, FaultTracker, parse_fault_spec
+from vllm_kvguard.core.ledger import BlockLedger, LifecycleViolation, ScheduledRequest, StepPlan
+from vllm_kvguard.core.scrub import Scrubber
+from vllm_kvguard.errors import KVCacheCorruptionError
+from vllm_kvguard.logs import GuardLog, power_of_two
+from vllm_kvguard.metrics import StandaloneExporter
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+
+def _same(table: list[int]) -> list[int]:
+    return table
+
+
+def _first_group(manager: Any, req_id: str) -> list[int]:
+    # The request's block table (one KV cache group: the guard is inactive with several).
+    return manager.get_block_ids(req_id)[0]
+
+
+def scheduled_requests(so: SchedulerOutput, block_size: int, manager: Any) -> list[ScheduledRequest]:
+    """vLLM's scheduler output as the ledger's per-request views (across vLLM versions)."""
+    bs = block_size
+    spec = so.scheduled_spec_decode_tokens
+    ntok = so.num_scheduled_tokens
+    out = []
+    for new in so.scheduled_new_reqs:
+        table = new.block_ids[0]
+        out.append(
+            ScheduledRequest(
+                new.req_id,
+                new.num_computed_tokens,
+                ntok[new.req_id] - len(spec.get(new.req_id, ())),
+                True,
+                table[new.num_computed_tokens // bs :],
+                functools.partial(_same, table),
+            )
+        )
+    cached = so.scheduled_cached_reqs
+    resumed_ids = getattr(cached, "resumed_req_ids", None) or ()
+    for i, req_id in enumerate(cached.req_ids):
+        new_ids = cached.new_block_ids[i]
+        added = new_ids[0] if new_ids else []
+        nc = cached.num_computed_tokens[i]
+        # vLLM 0.34 sends resumed requests in full with the new ones (no resumed_req_ids).
+        resumed = req_id in resumed_ids
+        out.append(
+            ScheduledRequest(
+                req_id,
+                nc,
+                ntok[req_id] - len(spec.get(req_id, ())),
+                resumed,
+                added[nc // bs :] if resumed else added,
+                functools.partial(_first_group, manager, req_id),
+            )
+        )
+    return out
+
+
+class KVGuardScheduler:
+    def __init__(
+        self,
+        config: KVGuardConfig,
+        log: GuardLog,
+        *,
+        num_blocks: int,
+        block_size: int,
+        bytes_per_block: int,
+        num_layers: int,
+        model_name: str,
+        details: dict[str, object],
+    ) -> None:
+        self.config = config
+        self.log = log
+        self.block_size = block_size
+        self.internal_errors = 0
+        self.hook_seconds = 0.0
+        self.block_pool: BlockPool | None = None
+        self.kv_cache_manager: KVCacheManager | None = None
+        self.ledger = BlockLedger(num_blocks, block_size)
+        self.faults = FaultTracker(parse_fault_spec(config.inject)) if config.inject else None
+        self.quarantine_limit = policy.quarantine_limit(config.quarantine_max_fraction, num_blocks)
+        # raise mode: the message each failed request's output carries (patches.py puts it there).
+        self.corruption_messages: dict[str, str] = {}
+        # Pages of running requests to verify per step: 0 none, None all.
+        self.read_budget: int | None = {
+            VerifyPolicy.REUSE: 0,
+            VerifyPolicy.PARANOID: None,
+            VerifyPolicy.SAMPLED: max(1, config.verify_budget_bytes // max(1, bytes_per_block)),
+        }[config.verify]
+        self.scrubber = (
+            Scrubber(config.scrub_interval_s, max(1, config.scrub_budget_bytes // max(1, bytes_per_block)))
+            if config.scrub_interval_s > 0
+            else None
+        )
+        self._scrub_behind_logged = False
+        self._age_reported_at = 0.0
+        # Non-finite pages: blocks to report unreadable next step, and how often each
+        # request was sent to recompute one (a model that writes NaN writes it again).
+        self._invalidate_next: list[int] = []
+        self._nonfinite_recomputes: dict[str, int] = {}
+        # Requests to end with an error after this step's output (lifecycle violations).
+        self.pending_failures: dict[str, str] = {}
+        self.counters = GuardCounters()
+        self.worker_errors_seen = 0
+        # The last steps' request views, kept (not copied) so that a detection,
+        # which comes back with that step's or the next step's output, can name
+        # its readers and count their tokens; nothing is derived from them per step.
+        self._recent: dict[int, list[ScheduledRequest]] = {}
+        self.exporter = (
+            StandaloneExporter(config.metrics_port, model_name, engine=log.engine)
+            if config.metrics_port
+            else None
+        )
+        self._num_layers = num_layers
+        self.log.event(
+            "kvguard_started",
+            GuardStarted(
+                "scheduler",
+                config.to_dict(),
+                {
+                    **details,
+                    "num_blocks": num_blocks,
+                    "block_size": block_size,
+                    "read_pages_per_step": "all" if self.read_budget is None else self.read_budget,
+                    "scrub_pages_per_step_max": self.scrubber.max_pages if self.scrubber else 0,
+                },
+            ),
+        )
+        if config.inject:
+            self.log.line("kvguard_fault_injection_armed", level="warning", spec=config.inject)
+
+    def internal_error(self, where: str, exc: Exception) -> None:
+        """A hook failed (fail-open): counted and logged (1st, 2nd, 4th, ... occurrence)."""
+        self.internal_errors += 1
+        self.log.internal_error(where, exc, self.internal_errors)
+        self.counters.add("internal_errors")
+
+    # ------------------------------------------------------------------ the step's plan
+
+    def empty_metadata(self) -> KVGuardMetadata:
+        return KVGuardMetadata(StepPlan(self.ledger.step))
+
+    def build_connector_meta(self, so: SchedulerOutput) -> KVGuardMetadata:
+        requests = scheduled_requests(so, self.block_size, self.kv_cache_manager)
+        now = time.monotonic()
+        plan = self.ledger.plan(requests, self.read_budget, now, so.preempted_req_ids or ())
+        meta = KVGuardMetadata(plan, read_trigger=str(self.config.verify) if plan.read_verify else "")
+        self._recent[plan.step] = requests
+        self._recent.pop(plan.step - 3, None)
+        self.counters.add("sealed", len(plan.seal))
+        if self.scrubber is not None:
+            self._plan_scrub(meta, now)
+        if self._invalidate_next:
+            meta.invalidate, self._invalidate_next = self._invalidate_next, []
+        for violation in self.ledger.take_violations():
+            self._handle_violation(violation, meta)
+        if self.faults is not None:
+            self._plan_faults(plan, meta)
+        return meta
+
+    def _plan_scrub(self, meta: KVGuardMetadata, now: float) -> None:
+        assert self.scrubber is not None
+        meta.scrub = self.scrubber.select(self.ledger, now)
+        if self.scrubber.behind and not self._scrub_behind_logged:
+            self._scrub_behind_logged = True
+            self.log.line(
+                "kvguard_scrub_behind",
+                level="warning",
+                reason=(
+                    "VLLM_KVGUARD_SCRUB_BUDGET cannot verify every sealed page within "
+                    "VLLM_KVGUARD_SCRUB_INTERVAL at this step rate; raise the budget or the interval"
+                ),
+                pages_per_step_max=self.scrubber.max_pages,
+            )
+        if now - self._age_reported_at >= 1.0:
+            self._age_reported_at = now
+            self.counters.set("oldest_unverified_age", self.ledger.oldest_unverified_age(now))
+
+    def _plan_faults(self, plan: StepPlan, meta: KVGuardMetadata) -> None:
+        assert self.faults is not None and self.block_pool is not None
+        for fid in self.faults.allocated(plan.forget):
+            self.log.event("kv_fault_outcome", FaultOutcome(fid, "not_read", plan.step))
+        # A fault is read when its page is verified: reused, or walked by the scrubber.
+        self.faults.verifying(plan.step, plan.verify + meta.scrub)
+        blocks = self.block_pool.blocks
+        candidates = self.ledger.idle_sealed(lambda b: blocks[b].ref_cnt > 0 or blocks[b].block_hash is None)
+        meta.inject = self.faults.inject(plan.step, candidates, self._num_layers)
+        if plan.seal and not meta.inject:
+            meta.inject = self.faults.inject(plan.step, plan.seal, self._num_layers, FaultSite.WRITE)
+        for inj in meta.inject:
+            self.counters.add("faults_injected", label=str(inj.kind))
+            self.log.event(
+                "kv_fault_injected",
+                FaultInjected(inj.fault_id, str(inj.kind), inj.block_id, inj.layer, plan.step, str(inj.at)),
+                level="warning",
+            )
+
+    def _handle_violation(self, v: LifecycleViolation, meta: KVGuardMetadata) -> None:
+        """A block misused by the scheduler: report it and protect the requests it touches."""
+        self.counters.add("lifecycle_violations", label=str(v.what))
+        decision = policy.on_violation(self.config.mode, v.what, v.holder is not None)
+        message = KVCacheCorruptionError.describe_violation(v.block_id, str(v.what), v.holder or v.req_id)
+        if decision.fail_holder:
+            assert v.holder is not None
+            self.pending_failures[v.holder] = message
+        if decision.invalidate:
+            meta.invalidate.append(v.block_id)
+        if decision.fail_readers:
+            self.corruption_messages[v.req_id] = message
+        self.log.event(
+            "kv_block_lifecycle_violation",
+            LifecycleViolationFound(
+                v.block_id, str(v.what), v.req_id, v.holder, decision.action, self.ledger.step
+            ),
+            level="error",
+        )
+
+    # ------------------------------------------------------------ what the workers found
+
+    def update_connector_output(self, meta: KVGuardWorkerMetadata) -> None:
+        # Normally a no-op: the update_from_output patch (patches.settle_output) or pickling
+        # has settled the device checks already; this keeps the detections if neither ran.
+        meta.settle()
+        self.counters.absorb(meta.counters)
+        for error in meta.internal_errors:
+            self.counters.add("internal_errors")
+            self.worker_errors_seen += 1
+            if power_of_two(self.worker_errors_seen):
+                self.log.line("kvguard_worker_internal_error", level="error", error=error)
+        by_block: dict[int, list[Detection]] = defaultdict(list)
+        nonfinite: dict[int, list[Detection]] = defaultdict(list)
+        for d in meta.detections:
+            (nonfinite if d.kind == "nonfinite" else by_block)[d.block_id].append(d)
+        for block, detections in sorted(by_block.items()):
+            self._handle_corruption(block, detections)
+        for block, detections in sorted(nonfinite.items()):
+            self._handle_nonfinite(block, detections)
+        if self.faults is not None:
+            for fid in meta.unchanged_faults:
+                self.faults.no_change(fid)
+                self.log.event("kv_fault_outcome", FaultOutcome(fid, "no_change", self.ledger.step))
+            for step in sorted(meta.verified_steps):
+                for fid, detected in self.faults.verified(step, set(by_block) | set(nonfinite)):
+                    self.log.event(
+                        "kv_fault_outcome",
+                        FaultOutcome(fid, "detected" if detected else "escaped", step),
+                        level="info" if detected else "error",
+                    )
+
+    def _handle_corruption(self, block: int, detections: list[Detection]) -> None:
+        first = detections[0]
+        readers = tuple(
+            sorted({r for d in detections for r in d.readers} | self._running_readers(block, detections))
+        )
+        decision = policy.on_corruption(self.config.mode)
+        self.counters.add("corruptions", label="checksum_mismatch")
+        if decision.evict:
+            self._evict_from_cache(block, readers)
+        if decision.quarantine:
+            self._quarantine(block)
+        self.log.event(
+            "kv_block_corrupted",
+            BlockCorrupted(
+                block_id=block,
+                layer=first.layer,
+                layers=tuple(dict.fromkeys(d.layer for d in detections)),
+                rank=first.rank,
+                ranks=tuple(sorted({d.rank for d in detections})),
+                expected_digest=f"{first.expected:016x}",
+                actual_digest=f"{first.actual:016x}",
+                request_ids=readers,
+                action=decision.action,
+                generation=int(self.ledger.generation[block]),
+                step=self.ledger.step,
+                trigger=first.trigger,
+            ),
+            level="error",
+        )
+        for req_id in readers:
+            self.counters.add("requests_affected", label=decision.outcome)
+            if decision.outcome == policy.RECOMPUTED:
+                self.counters.add("tokens_recomputed", self._tokens_to_recompute(req_id, block))
+            self.log.event(
+                "kv_request_affected", RequestAffected(req_id, block, decision.outcome), level="warning"
+            )
+            if decision.fail_readers:
+                self.corruption_messages[req_id] = KVCacheCorruptionError.describe(block, first.layer)
+
+    def _handle_nonfinite(self, block: int, detections: list[Detection]) -> None:
+        """NaN/Inf in a page just sealed: keep it from spreading, recompute once (policy.on_nonfinite)."""
+        first = detections[0]
+        writers = tuple(sorted(self._holders(block, first.step)))
+        again = any(self._nonfinite_recomputes.get(w, 0) >= 1 for w in writers)
+        decision = policy.on_nonfinite(self.config.nonfinite_mode, again)
+        self.counters.add("corruptions", label="nonfinite")
+        if decision.evict:
+            self._evict_from_cache(block, writers)
+        if decision.invalidate:
+            self._invalidate_next.append(block)
+        if decision.count_recompute:
+            for w in writers:
+                self._nonfinite_recomputes[w] = self._nonfinite_recomputes.get(w, 0) + 1
+        self.log.event(
+            "kv_block_nonfinite",
+            BlockNonFinite(
+                block_id=block,
+                layers=tuple(dict.fromkeys(d.layer for d in detections)),
+                ranks=tuple(sorted({d.rank for d in detections})),
+                request_ids=writers,
+                action=decision.action,
+                step=first.step,
+                reason=decision.reason,
+            ),
+            level="error",
+        )
+        message = KVCacheCorruptionError.describe_nonfinite(block, first.layer)
+        for req_id in writers:
+            self.counters.add("requests_affected", label=decision.outcome)
+            self.log.event(
+                "kv_request_affected", RequestAffected(req_id, block, decision.outcome), level="warning"
+            )
+            if decision.fail_readers:
+                self.corruption_messages[req_id] = message
+
+    def _block_table(self, req_id: str) -> list[int] | None:
+        if self.kv_cache_manager is None:
+            return None
+        try:
+            return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+        except (KeyError, AssertionError):
+            return None
+
+    def _holders(self, block: int, step: int) -> set[str]:
+        """Requests of ``step`` whose block table holds ``block``."""
+        out: set[str] = set()
+        for req in self._recent.get(step, ()):
+            table = self._block_table(req.req_id)
+            if table is not None and block in table:
+                out.add(req.req_id)
+        return out
+
+    def _running_readers(self, block: int, detections: list[Detection]) -> set[str]:
+        """Running requests whose block table holds ``block`` (for read-time detections)."""
+        out: set[str] = set()
+        for step in {d.step for d in detections if d.trigger != "reuse"}:
+            out |= self._holders(block, step)
+        return out
+
+    def _evict_from_cache(self, block: int, readers: tuple[str, ...]) -> None:
+        """Take ``block``, and the blocks each reader computed from it, out of the prefix cache."""
+        if self.kv_cache_manager is None or self.block_pool is None:
+            return
+        evict = {block}
+        for req_id in readers:
+            table = self._block_table(req_id)
+            if table is not None and block in table:
+                evict.update(table[table.index(block) :])
+        self.block_pool.evict_blocks(evict)
+
+    def _quarantine(self, block: int) -> None:
+        assert self.block_pool is not None
+        pool = self.block_pool
+        if not self.ledger.quarantine([block]):
+            return
+        pinned = policy.pins(self.ledger.quarantined(), self.quarantine_limit)
+        if pinned:
+            # One reference the guard never drops: the block never returns to the
+            # free queue, so it is never handed out again.
+            pool.touch([pool.blocks[block]])
+        else:
+            self.ledger.release_quarantined([block])
+            pool.evict_blocks({block})
+        self.counters.set("quarantined", self.ledger.quarantined())
+        self.log.event(
+            "kv_block_quarantined",
+            BlockQuarantined(block, self.ledger.quarantined(), pinned),
+            level="warning" if pinned else "error",
+            **({} if pinned else {"reason": "quarantine full (VLLM_KVGUARD_QUARANTINE_MAX_FRACTION)"}),
+        )
+
+    def _tokens_to_recompute(self, req_id: str, block: int) -> int:
+        hits = next(
+            (
+                r.num_computed
+                for step in reversed(self._recent.values())
+                for r in step
+                if r.req_id == req_id and r.fresh and r.num_computed >= self.block_size
+            ),
+            0,
+        )
+        table = self._block_table(req_id)
+        if table is None or block not in table:
+            return 0
+        return max(0, hits - table.index(block) * self.block_size)
+
+    # --------------------------------------------------------------- request lifecycle
+
+    def request_finished(self, req_id: str) -> None:
+        self.ledger.release_request(req_id)
+        self._nonfinite_recomputes.pop(req_id, None)
+
+    def take_corruption_message(self, req_id: str) -> str | None:
+        return self.corruption_messages.pop(req_id, None)
+
+    def take_pending_failures(self) -> dict[str, str]:
+        failures, self.pending_failures = self.pending_failures, {}
+        return failures
+
+    def stats(self) -> dict[str, Any] | None:
+        """The metric delta since the last call, or None when nothing happened."""
+        if self.counters.empty():
+            return None
+        self.counters.add("guard_seconds", self.hook_seconds, label="scheduler")
+        self.hook_seconds = 0.0
+        delta, self.counters = self.counters.to_dict(), GuardCounters()
+        if self.exporter is not None:
+            self.exporter.observe(delta)
+        return delta
+
+    def shutdown(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()

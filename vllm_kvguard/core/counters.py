@@ -1,0 +1,71 @@
+"""The guard's metric deltas as plain data: what every layer counts, none of how it is exported.
+
+Both connector roles fold their events into a :class:`GuardCounters`; the worker's
+travel pickled in its step metadata, the scheduler merges them and hands the delta to
+vLLM's KV-connector stats path (and to :mod:`vllm_kvguard.metrics`, which turns it
+into Prometheus series).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GuardCounters:
+    """A delta of the guard's series since the last time it was taken.
+
+    Plain dicts only: it travels pickled from workers to the engine process.
+    """
+
+    counts: dict[str, float] = field(default_factory=dict)
+    labelled: dict[str, dict[str, float]] = field(default_factory=dict)
+    observations: dict[str, list[float]] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
+
+    def add(self, key: str, n: float = 1, label: str | None = None) -> None:
+        if label is None:
+            self.counts[key] = self.counts.get(key, 0) + n
+        else:
+            labels = self.labelled.setdefault(key, {})
+            labels[label] = labels.get(label, 0) + n
+
+    def observe(self, key: str, value: float) -> None:
+        self.observations.setdefault(key, []).append(value)
+
+    def set(self, key: str, value: float) -> None:
+        self.gauges[key] = value
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "counts": dict(self.counts),
+            "labelled": {k: dict(v) for k, v in self.labelled.items()},
+            "observations": {k: list(v) for k, v in self.observations.items()},
+            "gauges": dict(self.gauges),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GuardCounters:
+        out = cls()
+        out.absorb(data)
+        return out
+
+    def absorb(self, data: dict[str, Any]) -> None:
+        """Add a delta (as :meth:`to_dict` wrote it) to this one."""
+        for k, v in data.get("counts", {}).items():
+            self.add(k, v)
+        for k, labels in data.get("labelled", {}).items():
+            for label, v in labels.items():
+                self.add(k, v, label)
+        for k, values in data.get("observations", {}).items():
+            self.observations.setdefault(k, []).extend(values)
+        self.gauges.update(data.get("gauges", {}))
+
+    def empty(self) -> bool:
+        return not (
+            any(self.counts.values())
+            or any(any(v.values()) for v in self.labelled.values())
+            or any(self.observations.values())
+            or self.gauges
+        )

@@ -1,0 +1,213 @@
+"""KV pages: the guarded KV tensors addressed by (block id, layer), hashed in place.
+
+A *page* is one block of one layer's KV tensor. Its digest is XXH3-64 (or XXH64)
+over the page's bytes in memory order, read straight from the tensor's storage
+through a memoryview: no KV data is copied on the CPU. Pages that are not one
+contiguous run (some GPU layouts keep K and V apart) are hashed as the
+concatenation of their contiguous runs, in memory order. Pages off the host are
+hashed where they live, by the KVG64 kernel (:mod:`.kernel`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from vllm_kvguard.config import HashAlgorithm
+from vllm_kvguard.digest.dtypes import nonfinite_rows
+from vllm_kvguard.digest.kernel import PageGeometry, kernel_available, kvg64_pages
+
+_ONE_SHOT = {
+    HashAlgorithm.XXH3_64: xxhash.xxh3_64_intdigest,
+    HashAlgorithm.XXH64: xxhash.xxh64_intdigest,
+}
+_STREAMING = {HashAlgorithm.XXH3_64: xxhash.xxh3_64, HashAlgorithm.XXH64: xxhash.xxh64}
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """A flat memoryview over the tensor's whole CPU storage (no copy)."""
+    storage = tensor.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    return flat.numpy().data.cast("B")
+
+
+def page_runs(page: torch.Tensor) -> list[tuple[int, int]]:
+    """Contiguous byte runs (offset from page start, length) of one page, in memory order."""
+    elsize = page.element_size()
+    if page.is_contiguous():
+        return [(0, page.numel() * elsize)]
+    dims = sorted(range(page.dim()), key=lambda d: page.stride(d), reverse=True)
+    shape = [page.shape[d] for d in dims]
+    strides = [page.stride(d) for d in dims]
+    # Merge the innermost dims that are densely packed into one run.
+    run = 1
+    k = len(dims)
+    while k > 0 and strides[k - 1] == run:
+        run *= shape[k - 1]
+        k -= 1
+    outer = shape[:k]
+    runs = []
+    for index in np.ndindex(*outer) if outer else [()]:
+        offset = sum(i * s for i, s in zip(index, strides[:k], strict=True))
+        runs.append((offset * elsize, run * elsize))
+    return runs
+
+
+def _kernel_runs(device: torch.device, runs: list[list[tuple[int, int]]]) -> bool:
+    # KVG64 hashes runs as one string only when every run but the last is whole words.
+    return kernel_available(device) and all(n % 8 == 0 for layer in runs for _, n in layer[:-1])
+
+
+class KVPages:
+    """The guarded KV tensors, seen as pages addressable by (block id, layer).
+
+    ``layers`` maps layer names to tensors; ``block_dim`` is the dimension that
+    indexes blocks. Layers that share one tensor are hashed once and reported
+    under the first name.
+    """
+
+    def __init__(
+        self,
+        layers: dict[str, torch.Tensor],
+        *,
+        block_dim: int = 0,
+        algorithm: HashAlgorithm = HashAlgorithm.XXH3_64,
+        use_kernel: bool | None = None,
+    ) -> None:
+        seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+        self.names: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+        for name, tensor in layers.items():
+            key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+            if key in seen:
+                continue
+            seen[key] = name
+            self.names.append(name)
+            self.tensors.append(tensor.movedim(block_dim, 0))
+        if not self.tensors:
+            raise ValueError("no KV tensors to guard")
+        self.num_blocks = min(t.shape[0] for t in self.tensors)
+        self.algorithm = algorithm
+        self._hash = _ONE_SHOT[algorithm]
+        self._stream = _STREAMING[algorithm]
+        self.on_host = all(t.device.type == "cpu" for t in self.tensors)
+        self._runs = [page_runs(t[0]) for t in self.tensors]
+        # Pages off the host are hashed where they live, by the KVG64 kernel (kernel.py), with
+        # no copy; ``use_kernel`` forces the choice (tests run the kernel on CPU tensors under
+        # TRITON_INTERPRET=1). Where it cannot run, pages are copied to the host (slow path).
+        if use_kernel is None:
+            use_kernel = not self.on_host and _kernel_runs(self.tensors[0].device, self._runs)
+        self.use_kernel = use_kernel
+        self.digest_name = "kvg64" if use_kernel else str(algorithm)
+        if not self.on_host and not use_kernel:
+            warnings.warn(
+                "vllm-kvguard: KV cache is not in host memory and the page-digest kernel cannot "
+                "run here; pages are copied to the host to be hashed (slow path).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._views = [_byte_view(t) if self.on_host and not use_kernel else None for t in self.tensors]
+        elsize = [t.element_size() for t in self.tensors]
+        self._base = [t.storage_offset() * e for t, e in zip(self.tensors, elsize, strict=True)]
+        self._stride = [t.stride(0) * e for t, e in zip(self.tensors, elsize, strict=True)]
+        self.page_bytes = [sum(n for _, n in r) for r in self._runs]
+        # Every layer in one launch, seals and comparisons on the device, results read
+        # later (DeviceDigestTable): when the layers share one page geometry, as the
+        # layers of one vLLM KV cache group do.
+        self.geometry = self._one_geometry() if use_kernel else None
+
+    def _one_geometry(self) -> Any:
+        if any(r != self._runs[0] for r in self._runs):
+            return None
+        try:
+            return PageGeometry(self.tensors, self._runs[0])
+        except ValueError:
+            return None
+
+    @property
+    def deferred(self) -> bool:
+        """Whether seals and verifications stay on the device (see DeviceDigestTable)."""
+        return self.geometry is not None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(self.page_bytes)
+
+    def digest(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Digests of the given blocks, shape (len(block_ids), num_layers), uint64."""
+        out = np.empty((len(block_ids), self.num_layers), dtype=np.uint64)
+        if not len(block_ids):
+            return out
+        if self.geometry is not None:
+            # Every layer in one launch; .cpu() waits for it (the synchronous API).
+            ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.geometry.device)
+            return self.geometry.launch(ids)[0].cpu().view(torch.int64).numpy().view(np.uint64)
+        for layer in range(self.num_layers):
+            out[:, layer] = self._digest_layer(layer, block_ids)
+        return out
+
+    def digest_layer(self, layer: int, block_ids: Sequence[int]) -> np.ndarray:
+        """Digests of the given blocks for one layer, shape (len(block_ids),), uint64."""
+        return np.asarray(self._digest_layer(layer, block_ids) if len(block_ids) else [], dtype=np.uint64)
+
+    def _digest_layer(self, layer: int, block_ids: Sequence[int]) -> list[int]:
+        runs = self._runs[layer]
+        if self.use_kernel:
+            # One launch per layer for all the step's pages; .cpu() waits for it.
+            on_device = kvg64_pages(self.tensors[layer], block_ids, runs).cpu()
+            return on_device.view(torch.int64).numpy().view(np.uint64).tolist()
+        if not self.on_host:
+            pages = self.tensors[layer][torch.as_tensor(block_ids, device=self.tensors[layer].device)]
+            host = pages.contiguous().cpu()
+            host_view = host.view(torch.uint8).numpy().data.cast("B")
+            size = self.page_bytes[layer]
+            return [self._hash(host_view[i * size : (i + 1) * size]) for i in range(len(block_ids))]
+        view, base, stride = self._views[layer], self._base[layer], self._stride[layer]
+        assert view is not None
+        if len(runs) == 1:
+            size = runs[0][1]
+            h = self._hash
+            return [h(view[base + b * stride : base + b * stride + size]) for b in block_ids]
+        digests = []
+        for b in block_ids:
+            state = self._stream()
+            start = base + b * stride
+            for off, n in runs:
+                state.update(view[start + off : start + off + n])
+            digests.append(state.intdigest())
+        return digests
+
+    def nonfinite(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Which pages hold NaN or Inf, shape (len(block_ids), num_layers), bool.
+
+        One gather per layer for the whole batch (the pages being sealed this step),
+        then an exponent test on 64-bit words (:func:`_nonfinite_rows`), 3-4x faster
+        than ``torch.isfinite`` on bf16 here. Integer KV dtypes (quantised caches)
+        cannot hold NaN and are reported finite.
+        """
+        out = np.zeros((len(block_ids), self.num_layers), dtype=bool)
+        if not block_ids:
+            return out
+        # The index is built once, and the flags come back in one transfer (not one per layer).
+        index = torch.as_tensor(block_ids, device=self.tensors[0].device)
+        layers = [i for i, t in enumerate(self.tensors) if t.is_floating_point()]
+        if layers:
+            flags = [
+                nonfinite_rows(self.tensors[i].index_select(0, index).reshape(len(block_ids), -1))
+                for i in layers
+            ]
+            out[:, layers] = torch.stack(flags, dim=1).cpu().numpy()
+        return out
+
+    def page(self, block_id: int, layer: int) -> torch.Tensor:
+        """The page as a tensor view (for fault injection and tests)."""
+        return self.tensors[layer][block_id]

@@ -1,0 +1,129 @@
+"""Digest tables: the seals, kept beside the KV data and never in it (as ZFS keeps
+checksums in the parent pointer). :class:`DigestTable` on the host; :class:`DeviceDigestTable`
+on the device beside the KV cache, sealing and verifying in one kernel launch per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_kvguard.digest.checks import PendingCheck
+from vllm_kvguard.digest.kernel import SEAL, VERIFY
+from vllm_kvguard.digest.pages import KVPages
+
+
+@dataclass(frozen=True)
+class PageMismatch:
+    """A page whose bytes no longer match its seal."""
+
+    block_id: int
+    layer: str
+    expected: int
+    actual: int
+
+
+class DigestTable:
+    """Sealed digests by block: a dense (blocks x layers) table plus a sealed mask."""
+
+    def __init__(self, num_blocks: int, num_layers: int) -> None:
+        self.digests = np.zeros((num_blocks, num_layers), dtype=np.uint64)
+        self.sealed = np.zeros(num_blocks, dtype=bool)
+
+    def seal(self, block_ids: Sequence[int], digests: np.ndarray) -> None:
+        if len(block_ids):
+            self.digests[block_ids] = digests
+            self.sealed[block_ids] = True
+
+    def forget(self, block_ids: Sequence[int]) -> None:
+        if len(block_ids):
+            self.sealed[block_ids] = False
+
+    def host_digests(self, block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The seals of the given blocks, (blocks x layers) uint64 on the host (tests, tools)."""
+        return self.digests[np.asarray(block_ids, dtype=np.int64)]
+
+    def sealed_only(self, block_ids: Sequence[int]) -> list[int]:
+        if not len(block_ids):
+            return []
+        ids = np.asarray(block_ids, dtype=np.int64)
+        return ids[self.sealed[ids]].tolist()
+
+    def compare(
+        self, block_ids: Sequence[int], actual: np.ndarray, names: Sequence[str]
+    ) -> list[PageMismatch]:
+        """Mismatches between ``actual`` (from :meth:`KVPages.digest`) and the seals."""
+        if not len(block_ids):
+            return []
+        expected = self.digests[block_ids]
+        rows, cols = np.nonzero(expected != actual)
+        return [
+            PageMismatch(int(block_ids[r]), names[c], int(expected[r, c]), int(actual[r, c]))
+            for r, c in zip(rows.tolist(), cols.tolist(), strict=True)
+        ]
+
+
+class DeviceDigestTable(DigestTable):
+    """The seals on the device beside the KV cache; the sealed mask stays on the host.
+
+    Sealing stores the kernel's digests straight into the table and verifying
+    compares against it in the same launch (kernel.py), so neither moves a digest
+    to the host or waits: each returns a :class:`PendingCheck`.
+    """
+
+    def __init__(self, pages: KVPages) -> None:
+        assert pages.geometry is not None
+        super().__init__(0, pages.num_layers)
+        self.pages = pages
+        self.sealed = np.zeros(pages.num_blocks, dtype=bool)
+        self.device_digests = torch.zeros(
+            (pages.num_blocks, pages.num_layers), dtype=torch.uint64, device=pages.geometry.device
+        )
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor(list(block_ids), dtype=torch.int64)
+        device = self.device_digests.device
+        return ids.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids
+
+    def seal_async(
+        self, block_ids: Sequence[int], *, check_finite: bool = False, zero_nonfinite: bool = False
+    ) -> PendingCheck | None:
+        """Seal the pages; flags NaN/Inf when ``check_finite`` (else nothing to read back)."""
+        if not len(block_ids):
+            return None
+        geometry = self.pages.geometry
+        assert geometry is not None
+        digests, flags = geometry.launch(
+            self._ids(block_ids),
+            mode=SEAL,
+            table=self.device_digests,
+            check_finite=check_finite,
+            zero_nonfinite=zero_nonfinite,
+        )
+        self.sealed[list(block_ids)] = True
+        return PendingCheck(block_ids, flags, digests, None) if check_finite else None
+
+    def verify_async(self, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> PendingCheck:
+        """Compare the pages with their seals on the device (all layers, or ``layers``)."""
+        ids = self._ids(block_ids)
+        assert self.pages.geometry is not None
+        actual, flags = self.pages.geometry.launch(ids, mode=VERIFY, table=self.device_digests, layers=layers)
+        expected = self.device_digests.index_select(0, ids)
+        if layers is not None:
+            expected = expected[:, list(layers)]
+        return PendingCheck(block_ids, flags, actual, expected, layers)
+
+    def host_digests(self, block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=self.device_digests.device)
+        return self.device_digests.index_select(0, ids).cpu().view(torch.int64).numpy().view(np.uint64)
+
+    def seal(self, block_ids: Sequence[int], digests: np.ndarray) -> None:
+        """Host digests into the table (the synchronous path)."""
+        if len(block_ids):
+            self.device_digests[list(block_ids)] = (
+                torch.from_numpy(digests.view(np.int64)).to(self.device_digests.device).view(torch.uint64)
+            )
+            self.sealed[list(block_ids)] = True

@@ -1,0 +1,89 @@
+"""What runs inside an engine child process (``python -m vllm_kvguard.tools.child JOB_JSON``).
+
+The only module of :mod:`vllm_kvguard.tools` that imports vLLM: the ``kvguard`` process
+itself never does (:mod:`.childrun` starts these in a clean environment of their own).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_kvguard.tools import bench, drill
+from vllm_kvguard.tools.workload import Workload
+
+
+def drill_workload(args: dict[str, Any]) -> None:
+    """Run the workload through one engine; write the outputs as JSON."""
+    from vllm import LLM, SamplingParams
+
+    workload = Workload(**args["workload"])
+    llm = LLM(model=args["model"], **drill.ENGINE_ARGS)
+    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens)
+    texts: list[str | None] = []
+    for wave in workload.waves():
+        for out in llm.generate(wave, params, use_tqdm=False):
+            completion = out.outputs[0]
+            texts.append(None if completion.finish_reason == "error" else completion.text)
+    Path(args["out"]).write_text(json.dumps(texts))
+
+
+def _metric_totals(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"):
+            out[m.name + ":sum"] = out.get(m.name + ":sum", 0.0) + m.sum
+            out[m.name + ":count"] = out.get(m.name + ":count", 0.0) + m.count
+    # vLLM's metric reader rounds counters to integers: read the guard's seconds exactly.
+    from prometheus_client import REGISTRY
+
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            name = sample.name.removesuffix("_total")
+            if name in ("vllm:kvguard_overhead_seconds", "vllm:kvguard_worker_step_seconds"):
+                out[name] = out.get(name, 0.0) + sample.value
+    return out
+
+
+def bench_workload(args: dict[str, Any]) -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args["model"], **bench.ENGINE_ARGS)
+    warm = [p for wave in bench.WARMUP.waves() for p in wave]
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=bench.WARMUP.max_tokens), use_tqdm=False)
+    prompts = [p for wave in bench.WORKLOAD.waves() for p in wave]
+    params = SamplingParams(temperature=0.0, max_tokens=bench.WORKLOAD.max_tokens, ignore_eos=True)
+    before = _metric_totals(llm)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    after = _metric_totals(llm)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+    def mean(name: str) -> float:
+        count = delta.get(name + ":count", 0.0)
+        return delta.get(name + ":sum", 0.0) / count if count else float("nan")
+
+    step = delta.get("vllm:kvguard_worker_step_seconds", 0.0)
+    result: dict[str, Any] = {
+        "elapsed_s": elapsed,
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        "prompt_tokens": sum(len(o.prompt_token_ids or []) for o in outs),
+        "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
+        "ttft_s": mean("vllm:time_to_first_token_seconds"),
+        "itl_s": mean("vllm:inter_token_latency_seconds"),
+        "guard_share": delta.get("vllm:kvguard_overhead_seconds", 0.0) / step if step else None,
+    }
+    result["tokens_per_s"] = (result["output_tokens"] + result["prompt_tokens"]) / elapsed
+    result["output_tokens_per_s"] = result["output_tokens"] / elapsed
+    Path(args["out"]).write_text(json.dumps(result))
+
+
+JOBS = {"drill": drill_workload, "bench": bench_workload}
+
+if __name__ == "__main__":
+    job = json.loads(sys.argv[1])
+    JOBS[job.pop("job")](job)
