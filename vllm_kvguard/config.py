@@ -46,6 +46,14 @@ class NonFiniteAction(StrEnum):
     OFF = "off"  # do not look
 
 
+class SuspectAction(StrEnum):
+    """What happens to a request that emitted tokens computed from a page later found bad
+    (quarantine mode; raise mode fails it anyway, log mode only flags it)."""
+
+    FAIL = "fail"  # end it with an error that names the block
+    FLAG = "flag"  # let it finish; stop_reason, log line and metric say it is suspect
+
+
 class HashAlgorithm(StrEnum):
     XXH3_64 = "xxh3_64"
     XXH64 = "xxh64"
@@ -71,6 +79,7 @@ class KVGuardConfig:
     scrub_interval_s: float = 300.0
     scrub_budget_bytes: int = 1 << 20
     nonfinite: NonFiniteAction = NonFiniteAction.MODE
+    suspect: SuspectAction = SuspectAction.FAIL
     hash: HashAlgorithm = HashAlgorithm.XXH3_64
     quarantine_max_fraction: float = 0.02
     log_format: LogFormat = LogFormat.AUTO
@@ -90,6 +99,7 @@ class KVGuardConfig:
             ("mode", Mode),
             ("verify", VerifyPolicy),
             ("nonfinite", NonFiniteAction),
+            ("suspect", SuspectAction),
             ("hash", HashAlgorithm),
             ("log_format", LogFormat),
         )
@@ -212,6 +222,7 @@ _VARIABLES = {
     "_SCRUB_INTERVAL": ("scrub_interval_s", _interval),
     "_SCRUB_BUDGET": ("scrub_budget_bytes", _bytes),
     "_NONFINITE": ("nonfinite", lambda var, raw: _choice(var, raw, NonFiniteAction)),
+    "_SUSPECT": ("suspect", lambda var, raw: _choice(var, raw, SuspectAction)),
     "_HASH": ("hash", lambda var, raw: _choice(var, raw, HashAlgorithm)),
     "_QUARANTINE_MAX_FRACTION": ("quarantine_max_fraction", _fraction),
     "_LOG_FORMAT": ("log_format", lambda var, raw: _choice(var, raw, LogFormat)),

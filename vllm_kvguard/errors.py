@@ -37,27 +37,36 @@ class KVCacheCorruptionError(RuntimeError):
         super().__init__(message or self.describe(block_id, layer))
 
     @classmethod
-    def describe(cls, block_id: int, layer: str) -> str:
-        return (
-            f"{cls.PREFIX}: block {block_id} (layer {layer}) failed its checksum; "
-            "the request was ended so that it does not return text computed from "
-            "a corrupted page"
-        )
+    def describe(cls, block_id: int, layer: str, outcome: str = "failed", unverified_steps: int = 0) -> str:
+        """The message a failed (or, ``outcome="suspect"``, flagged) request carries."""
+        head = f"{cls.PREFIX}: block {block_id} (layer {layer}) failed its checksum"
+        if unverified_steps:
+            head += (
+                f" after this request had read it unverified for {unverified_steps} step(s) and emitted "
+                "tokens computed from it"
+            )
+        return head + cls._ending(outcome, "a corrupted page")
 
     @classmethod
-    def describe_nonfinite(cls, block_id: int, layer: str) -> str:
+    def describe_nonfinite(cls, block_id: int, layer: str, outcome: str = "failed") -> str:
         return (
             f"{cls.PREFIX}: block {block_id} (layer {layer}) was written with non-finite "
-            "values (NaN/Inf); the request was ended so that it does not return text computed from them"
+            "values (NaN/Inf)" + cls._ending(outcome, "them")
         )
 
     @classmethod
-    def describe_violation(cls, block_id: int, what: str, request_id: str) -> str:
+    def describe_violation(cls, block_id: int, what: str, request_id: str, outcome: str = "failed") -> str:
         return (
             f"{cls.PREFIX}: block {block_id} (layer all) lifecycle violation {what} "
-            f"(request {request_id}); the scheduler gave this request's KV block to another "
-            "use, so the request was ended"
+            f"(request {request_id}); the scheduler gave this request's KV block to another use"
+            + cls._ending(outcome, "a page another request wrote")
         )
+
+    @staticmethod
+    def _ending(outcome: str, source: str) -> str:
+        if outcome == "suspect":
+            return f"; the request finished, but its text may include tokens computed from {source} (suspect)"
+        return f"; the request was ended so that it does not return text computed from {source}"
 
     @classmethod
     def parse(cls, message: str, request_id: str | None = None) -> KVCacheCorruptionError | None:

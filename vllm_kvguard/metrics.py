@@ -89,9 +89,11 @@ SERIES = (
         "requests_affected",
         "vllm:kvguard_requests_affected",
         "counter",
-        "Requests that read a corrupted block, by outcome (recomputed, failed, logged).",
+        "Requests that held a bad KV page, once per request when it finishes, by outcome (healed: "
+        "recomputed before any token from the page left the engine; failed: ended with an error; "
+        "suspect: finished, flagged, its text may include tokens computed from the page).",
         "outcome",
-        ("recomputed", "failed", "logged"),
+        ("healed", "failed", "suspect"),
     ),
     Series(
         "tokens_recomputed",

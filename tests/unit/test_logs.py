@@ -18,7 +18,7 @@ def test_lines_go_through_vllms_logger_tree_and_file(
         load_config({"VLLM_KVGUARD_LOG_FILE": str(path), "VLLM_KVGUARD_LOG_FORMAT": "console"}), rank=3
     )
     with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
-        log.event("kv_request_affected", RequestAffected("r-1", 7, "recomputed"), level="warning")
+        log.event("kv_request_affected", RequestAffected("r-1", 7, (7,), "healed"), level="warning")
     (record,) = caplog.records
     assert record.levelno == logging.WARNING
     assert "kv_request_affected" in record.getMessage() and "block_id=7" in record.getMessage()

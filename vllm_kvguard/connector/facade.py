@@ -277,6 +277,23 @@ class KVGuardConnector(KVConnectorBase_V1):
         if isinstance(meta, KVGuardWorkerMetadata):
             self.scheduler.update_connector_output(meta)
 
+    @fail_open(lambda self: None)
+    def before_output(self, vllm_scheduler: Any, scheduler_output: Any, connector_output: Any) -> None:
+        """Called by the ``Scheduler.update_from_output`` patch before vLLM handles the step."""
+        assert self.scheduler is not None
+        if self.active and connector_output is not None:
+            self.scheduler.before_output(vllm_scheduler, scheduler_output, connector_output)
+
+    @fail_open(lambda self: None)
+    def after_output(self, vllm_scheduler: Any, outputs: dict[int, Any]) -> None:
+        """Called by the patch after vLLM handled the step: end the requests the guard must
+        end, put its messages into failed and flagged requests' final outputs."""
+        assert self.scheduler is not None
+        failures = self.scheduler.take_pending_failures()
+        if failures:
+            patches.fail_requests(vllm_scheduler, failures, outputs)
+        self.scheduler.after_output(outputs, vllm_scheduler.requests)
+
     @fail_open(_nothing_to_send)
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None

@@ -33,6 +33,9 @@ class KVGuardMetadata(KVConnectorMetadata):
     # at an earlier seal, blocks a lifecycle violation made unreadable.
     invalidate: list[int] = field(default_factory=list)
     inject: list[Injection] = field(default_factory=list)
+    # Pages to zero before the forward: written by requests that were failed after reading
+    # a bad page, now free (their NaN/Inf must not reach the next owner's attention).
+    zero: list[int] = field(default_factory=list)
 
     @property
     def step(self) -> int:
@@ -120,6 +123,9 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
     invalid: set[int] = field(default_factory=set)
     # Device checks of this step, still on the device (never pickled: settled first).
     pending: list[DeviceCheck] = field(default_factory=list)
+    # Set by the scheduler side once it has acted on this output (it is offered twice:
+    # before vLLM handles the step, and in update_connector_output).
+    handled: bool = False
 
     def settle(self) -> KVGuardWorkerMetadata:
         """Fold the device checks' results in (see :meth:`DeviceCheck.settle`)."""

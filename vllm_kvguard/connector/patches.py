@@ -31,7 +31,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from vllm_kvguard.connector.metadata import guard_worker_meta
 from vllm_kvguard.logs import LOGGER_NAME
 
 _log = logging.getLogger(LOGGER_NAME)
@@ -87,52 +86,29 @@ def patch_scheduler() -> None:
 
 
 def _make_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
-    from vllm.v1.engine import FinishReason
-
     from vllm_kvguard.connector.facade import find_guard
 
-    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
-        runner_output = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
-        settle_output(getattr(runner_output, "kv_connector_output", None))
-        outputs = original(self, *args, **kwargs)
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         guard = find_guard(getattr(self, "connector", None))
-        if guard is None or guard.scheduler is None:
-            return outputs
-        side = guard.scheduler
-        if side.pending_failures:
-            _fail_requests(self, side.take_pending_failures(), outputs)
-        if not side.corruption_messages:
-            return outputs
-        for engine_outputs in outputs.values():
-            for out in engine_outputs.outputs:
-                if out.finish_reason == FinishReason.ERROR:
-                    message = side.take_corruption_message(out.request_id)
-                    if message is not None:
-                        out.stop_reason = message
+        if guard is not None:
+            # Device checks settle here (vLLM has already waited for the step's sampled
+            # tokens, so the checks queued before them are done) and every finding is acted
+            # on while the block tables of the requests vLLM is about to fail exist.
+            guard.before_output(self, scheduler_output, model_runner_output.kv_connector_output)
+        outputs = original(self, scheduler_output, model_runner_output)
+        if guard is not None:
+            guard.after_output(self, outputs)
         return outputs
 
     return update_from_output
 
 
-def settle_output(connector_output: Any) -> None:
-    """Before vLLM handles a step's output: settle the guard's device checks and add the
-    bad blocks they found to ``invalid_block_ids``, so vLLM recomputes or fails their
-    readers in this very step, as for blocks found on the host. vLLM has already waited
-    for the step's sampled tokens, so the checks (queued before them) are done."""
-    meta = guard_worker_meta(getattr(connector_output, "kv_connector_worker_meta", None))
-    if meta is None:
-        return
-    meta.settle()
-    if meta.invalid:
-        current = connector_output.invalid_block_ids or set()
-        connector_output.invalid_block_ids = set(current) | meta.invalid
+def fail_requests(scheduler: Any, failures: dict[str, str], outputs: dict[int, Any]) -> None:
+    """End the requests the guard must end itself, as vLLM ends failed requests.
 
-
-def _fail_requests(scheduler: Any, failures: dict[str, str], outputs: dict[int, Any]) -> None:
-    """End the requests a lifecycle violation made unsafe, as vLLM ends failed requests.
-
-    vLLM's invalid-block path cannot do it: under the recompute policy the request
-    would recompute into the very block another request now writes.
+    vLLM's invalid-block path cannot: under the recompute policy it would recompute them
+    (a request that already emitted tokens from a bad page; one whose block another
+    request now writes).
     """
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
     from vllm.v1.request import RequestStatus

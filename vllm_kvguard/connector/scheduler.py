@@ -14,10 +14,12 @@ from __future__ import annotations
 import functools
 import time
 from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvguard.config import KVGuardConfig, VerifyPolicy
-from vllm_kvguard.connector.metadata import KVGuardMetadata, KVGuardWorkerMetadata
+from vllm_kvguard.config import KVGuardConfig, Mode, VerifyPolicy
+from vllm_kvguard.connector.metadata import KVGuardMetadata, KVGuardWorkerMetadata, guard_worker_meta
 from vllm_kvguard.core import policy
 from vllm_kvguard.core.counters import GuardCounters
 from vllm_kvguard.core.events import (
@@ -42,6 +44,16 @@ if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A running request as a finding needs to see it, taken before vLLM acts on the step's
+    output (vLLM frees the block tables of the requests it fails)."""
+
+    table: list[int]
+    computed_blocks: int  # blocks holding tokens computed before this step
+    emits: bool  # this step samples a token for it (not a prefill chunk short of the end)
 
 
 def _same(table: list[int]) -> list[int]:
@@ -115,8 +127,15 @@ class KVGuardScheduler:
         self.ledger = BlockLedger(num_blocks, block_size)
         self.faults = FaultTracker(parse_fault_spec(config.inject)) if config.inject else None
         self.quarantine_limit = policy.quarantine_limit(config.quarantine_max_fraction, num_blocks)
-        # raise mode: the message each failed request's output carries (patches.py puts it there).
-        self.corruption_messages: dict[str, str] = {}
+        # The message each failed or flagged request's final output carries in stop_reason
+        # (patches.py puts it there), and each affected request's worst outcome so far with
+        # its bad blocks: reported once, when the request finishes.
+        self.stop_messages: dict[str, str] = {}
+        self._affected: dict[str, tuple[str, list[int]]] = {}
+        # Running requests at the step whose output is being handled (None: not taken).
+        self._running: dict[str, Holder] | None = None
+        # Pages of failed requests to zero before anyone is given them (next step).
+        self._zero_next: list[int] = []
         # Pages of running requests to verify per step: 0 none, None all.
         self.read_budget: int | None = {
             VerifyPolicy.REUSE: 0,
@@ -188,6 +207,8 @@ class KVGuardScheduler:
             self._plan_scrub(meta, now)
         if self._invalidate_next:
             meta.invalidate, self._invalidate_next = self._invalidate_next, []
+        if self._zero_next:
+            meta.zero, self._zero_next = sorted(set(self._zero_next)), []
         for violation in self.ledger.take_violations():
             self._handle_violation(violation, meta)
         if self.faults is not None:
@@ -235,14 +256,16 @@ class KVGuardScheduler:
         """A block misused by the scheduler: report it and protect the requests it touches."""
         self.counters.add("lifecycle_violations", label=str(v.what))
         decision = policy.on_violation(self.config.mode, v.what, v.holder is not None)
-        message = KVCacheCorruptionError.describe_violation(v.block_id, str(v.what), v.holder or v.req_id)
-        if decision.fail_holder:
-            assert v.holder is not None
-            self.pending_failures[v.holder] = message
+        subject = v.holder if decision.subject == "holder" else v.req_id if decision.subject else None
         if decision.invalidate:
             meta.invalidate.append(v.block_id)
-        if decision.fail_readers:
-            self.corruption_messages[v.req_id] = message
+        if subject is not None:
+            message = KVCacheCorruptionError.describe_violation(
+                v.block_id, str(v.what), subject, decision.outcome
+            )
+            # The holder of a stolen block cannot recompute into it: the guard ends it in
+            # every mode (vLLM's fail policy may too; ending it twice is a no-op).
+            self._affect(subject, v.block_id, decision.outcome, message, end=decision.fail_holder)
         self.log.event(
             "kv_block_lifecycle_violation",
             LifecycleViolationFound(
@@ -253,9 +276,42 @@ class KVGuardScheduler:
 
     # ------------------------------------------------------------ what the workers found
 
+    def before_output(self, vllm_scheduler: Any, scheduler_output: Any, connector_output: Any) -> None:
+        """Handle a step's worker output before vLLM does (patches.py): settle the device
+        checks, add their bad blocks to ``invalid_block_ids`` so vLLM recomputes or fails
+        their readers in this very step, and act on every finding while the block tables
+        of the requests vLLM is about to fail still exist."""
+        meta = guard_worker_meta(getattr(connector_output, "kv_connector_worker_meta", None))
+        if meta is None or meta.handled:
+            return
+        meta.settle()
+        if meta.invalid:
+            connector_output.invalid_block_ids = set(connector_output.invalid_block_ids or ()) | meta.invalid
+        if meta.detections:
+            self._running = self._take_running(vllm_scheduler, scheduler_output)
+        try:
+            self.update_connector_output(meta)
+        finally:
+            self._running = None
+
+    def _take_running(self, vllm_scheduler: Any, scheduler_output: Any) -> dict[str, Holder]:
+        ntok = scheduler_output.num_scheduled_tokens
+        out = {}
+        for request in vllm_scheduler.running:
+            table = self._block_table(request.request_id)
+            if table is None:
+                continue
+            before = request.num_computed_tokens - ntok.get(request.request_id, 0)
+            emits = request.num_computed_tokens >= request.num_tokens
+            out[request.request_id] = Holder(table, -(-before // self.block_size), emits)
+        return out
+
     def update_connector_output(self, meta: KVGuardWorkerMetadata) -> None:
-        # Normally a no-op: the update_from_output patch (patches.settle_output) or pickling
-        # has settled the device checks already; this keeps the detections if neither ran.
+        # Normally done already, in before_output (the update_from_output patch); this keeps
+        # the detections where that patch is missing (block tables of failed requests gone).
+        if meta.handled:
+            return
+        meta.handled = True
         meta.settle()
         self.counters.absorb(meta.counters)
         for error in meta.internal_errors:
@@ -283,15 +339,39 @@ class KVGuardScheduler:
                         level="info" if detected else "error",
                     )
 
+    def _holders(self, block: int, step: int, *, computed: bool) -> dict[str, Holder | None]:
+        """Requests holding ``block`` at ``step``: in the computed part of their block table
+        (``computed``: what vLLM re-checks for a bad block) or anywhere (a block being written)."""
+        if self._running is not None:
+            return {
+                req_id: h
+                for req_id, h in self._running.items()
+                if block in (h.table[: h.computed_blocks] if computed else h.table)
+            }
+        # Without the snapshot (the update_from_output patch is missing): the step's views.
+        out: dict[str, Holder | None] = {}
+        for req in self._recent.get(step, ()):
+            table = self._block_table(req.req_id)
+            if table is not None and block in table:
+                out[req.req_id] = None
+        return out
+
     def _handle_corruption(self, block: int, detections: list[Detection]) -> None:
         first = detections[0]
-        readers = tuple(
-            sorted({r for d in detections for r in d.readers} | self._running_readers(block, detections))
-        )
+        step = min(d.step for d in detections)
+        # Requests whose hit of the page was verified before the forward that read it.
+        hitters = {r for d in detections for r in d.readers}
+        holders = self._holders(block, step, computed=True)
+        for r in hitters:
+            holders.setdefault(r, None)
+        readers = tuple(sorted(holders))
         decision = policy.on_corruption(self.config.mode)
+        # Known good at this step's seal or verification, read unverified by every forward since.
+        good = self.ledger.last_good_step(block, step)
+        unverified_steps = max(0, step - 1 - good) if good >= 0 else step
         self.counters.add("corruptions", label="checksum_mismatch")
         if decision.evict:
-            self._evict_from_cache(block, readers)
+            self._evict_from_cache(block, holders)
         if decision.quarantine:
             self._quarantine(block)
         self.log.event(
@@ -309,28 +389,37 @@ class KVGuardScheduler:
                 generation=int(self.ledger.generation[block]),
                 step=self.ledger.step,
                 trigger=first.trigger,
+                last_good_step=good,
             ),
             level="error",
         )
+        failed = set()
         for req_id in readers:
-            self.counters.add("requests_affected", label=decision.outcome)
-            if decision.outcome == policy.RECOMPUTED:
-                self.counters.add("tokens_recomputed", self._tokens_to_recompute(req_id, block))
-            self.log.event(
-                "kv_request_affected", RequestAffected(req_id, block, decision.outcome), level="warning"
+            read_unverified = req_id not in hitters and unverified_steps > 0
+            outcome = policy.reader_outcome(
+                self.config.mode, self.config.suspect, decision.outcome, read_unverified=read_unverified
             )
-            if decision.fail_readers:
-                self.corruption_messages[req_id] = KVCacheCorruptionError.describe(block, first.layer)
+            if outcome == policy.HEALED:
+                self.counters.add("tokens_recomputed", self._tokens_to_recompute(req_id, block))
+            message = KVCacheCorruptionError.describe(block, first.layer, outcome, unverified_steps)
+            self._affect(req_id, block, outcome, message, end=self.config.mode != Mode.RAISE)
+            if outcome == policy.FAILED:
+                failed.add(req_id)
+        self._zero_after_failure(block, holders, failed)
 
     def _handle_nonfinite(self, block: int, detections: list[Detection]) -> None:
-        """NaN/Inf in a page just sealed: keep it from spreading, recompute once (policy.on_nonfinite)."""
+        """NaN/Inf in a page just sealed: keep it from spreading, recompute once (policy.on_nonfinite).
+
+        A writer that sampled a token in the step that wrote the page computed it from the
+        NaN: recomputing cannot take it back (suspect)."""
         first = detections[0]
-        writers = tuple(sorted(self._holders(block, first.step)))
+        holders = self._holders(block, first.step, computed=False)
+        writers = tuple(sorted(holders))
         again = any(self._nonfinite_recomputes.get(w, 0) >= 1 for w in writers)
         decision = policy.on_nonfinite(self.config.nonfinite_mode, again)
         self.counters.add("corruptions", label="nonfinite")
         if decision.evict:
-            self._evict_from_cache(block, writers)
+            self._evict_from_cache(block, holders)
         if decision.invalidate:
             self._invalidate_next.append(block)
         if decision.count_recompute:
@@ -349,14 +438,52 @@ class KVGuardScheduler:
             ),
             level="error",
         )
-        message = KVCacheCorruptionError.describe_nonfinite(block, first.layer)
+        mode = self.config.nonfinite_mode or Mode.LOG
+        failed = set()
         for req_id in writers:
-            self.counters.add("requests_affected", label=decision.outcome)
-            self.log.event(
-                "kv_request_affected", RequestAffected(req_id, block, decision.outcome), level="warning"
+            holder = holders[req_id]
+            emitted = holder.emits if holder is not None else True
+            outcome = policy.reader_outcome(
+                mode, self.config.suspect, decision.outcome, read_unverified=emitted
             )
-            if decision.fail_readers:
-                self.corruption_messages[req_id] = message
+            message = KVCacheCorruptionError.describe_nonfinite(block, first.layer, outcome)
+            # raise: vLLM fails the writers when the block is reported next step.
+            self._affect(req_id, block, outcome, message, end=mode != Mode.RAISE)
+            if outcome == policy.FAILED:
+                failed.add(req_id)
+        self._zero_after_failure(block, holders, failed)
+
+    def _affect(self, req_id: str, block: int, outcome: str, message: str, *, end: bool) -> None:
+        """Record what happened to a request (reported once, at request_finished) and have its
+        final output say so: a failed request ends with ``message`` (by the guard when ``end``:
+        vLLM would only recompute it), a suspect one finishes with it in ``stop_reason``."""
+        worst, blocks = self._affected.get(req_id, (None, []))
+        self._affected[req_id] = (policy.worst(worst, outcome), [*blocks, block])
+        if outcome == policy.FAILED:
+            self.stop_messages[req_id] = message
+            if end:
+                self.pending_failures[req_id] = message
+        elif outcome == policy.SUSPECT:
+            self.stop_messages.setdefault(req_id, message)
+
+    def _zero_after_failure(self, block: int, holders: dict[str, Holder | None], failed: set[str]) -> None:
+        """Pages a failed request wrote from the bad page (its block table from the bad block
+        on, the unfilled last page included) go back to the free pool with whatever that
+        forward wrote, NaN/Inf included; a masked slot times NaN poisons the next owner's
+        attention (0 x NaN). Zeroed before the next step's forward, unless another request
+        that goes on holds them (it recomputes them itself)."""
+        if not failed or self.config.mode == Mode.LOG:
+            return
+        keep: set[int] = set()
+        zero: set[int] = set()
+        for req_id, holder in holders.items():
+            if holder is None:
+                continue
+            if req_id in failed and block in holder.table:
+                zero.update(holder.table[holder.table.index(block) :])
+            elif req_id not in failed:
+                keep.update(holder.table)
+        self._zero_next.extend(sorted(zero - keep))
 
     def _block_table(self, req_id: str) -> list[int] | None:
         if self.kv_cache_manager is None:
@@ -366,29 +493,13 @@ class KVGuardScheduler:
         except (KeyError, AssertionError):
             return None
 
-    def _holders(self, block: int, step: int) -> set[str]:
-        """Requests of ``step`` whose block table holds ``block``."""
-        out: set[str] = set()
-        for req in self._recent.get(step, ()):
-            table = self._block_table(req.req_id)
-            if table is not None and block in table:
-                out.add(req.req_id)
-        return out
-
-    def _running_readers(self, block: int, detections: list[Detection]) -> set[str]:
-        """Running requests whose block table holds ``block`` (for read-time detections)."""
-        out: set[str] = set()
-        for step in {d.step for d in detections if d.trigger != "reuse"}:
-            out |= self._holders(block, step)
-        return out
-
-    def _evict_from_cache(self, block: int, readers: tuple[str, ...]) -> None:
-        """Take ``block``, and the blocks each reader computed from it, out of the prefix cache."""
-        if self.kv_cache_manager is None or self.block_pool is None:
+    def _evict_from_cache(self, block: int, holders: dict[str, Holder | None]) -> None:
+        """Take ``block``, and the blocks each holder computed from it, out of the prefix cache."""
+        if self.block_pool is None:
             return
         evict = {block}
-        for req_id in readers:
-            table = self._block_table(req_id)
+        for req_id, holder in holders.items():
+            table = holder.table if holder is not None else self._block_table(req_id)
             if table is not None and block in table:
                 evict.update(table[table.index(block) :])
         self.block_pool.evict_blocks(evict)
@@ -434,9 +545,31 @@ class KVGuardScheduler:
     def request_finished(self, req_id: str) -> None:
         self.ledger.release_request(req_id)
         self._nonfinite_recomputes.pop(req_id, None)
+        affected = self._affected.pop(req_id, None)
+        if affected is not None:
+            # Once per request, with the worst it came to over every bad page it held.
+            outcome, blocks = affected
+            self.counters.add("requests_affected", label=outcome)
+            self.log.event(
+                "kv_request_affected",
+                RequestAffected(req_id, blocks[0], tuple(dict.fromkeys(blocks)), outcome),
+                level="info" if outcome == policy.HEALED else "error",
+            )
 
-    def take_corruption_message(self, req_id: str) -> str | None:
-        return self.corruption_messages.pop(req_id, None)
+    def after_output(self, outputs: dict[int, Any], live: Iterable[str]) -> None:
+        """Put the guard's message into the final output of each failed or flagged request;
+        forget messages of requests that ended without one passing (aborted)."""
+        if not self.stop_messages:
+            return
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                if out.finish_reason is not None:
+                    message = self.stop_messages.pop(out.request_id, None)
+                    if message is not None:
+                        out.stop_reason = message
+        alive = set(live)
+        for req_id in [r for r in self.stop_messages if r not in alive]:
+            del self.stop_messages[req_id]
 
     def take_pending_failures(self) -> dict[str, str]:
         failures, self.pending_failures = self.pending_failures, {}

@@ -119,6 +119,10 @@ class KVGuardWorker:
         if self._unsettled:
             self._apply_settled(wait=False)
         plan = meta.plan
+        if meta.zero:
+            assert self.pages is not None
+            self.pages.zero(meta.zero)
+            self.table.forget(meta.zero)
         # Before the forward: this step's prefix hits are read by its attention.
         self.table.forget(plan.forget)
         if isinstance(self.table, DeviceDigestTable) and (plan.verify or meta.scrub):

@@ -45,6 +45,9 @@ class BlockCorrupted:
     generation: int
     step: int
     trigger: str = "reuse"
+    # The step of the page's last seal or verification before it was found bad (-1: none
+    # known): every forward of a holder after it and before ``step`` read the page unverified.
+    last_good_step: int = -1
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,12 @@ class BlockQuarantined:
 
 @dataclass(frozen=True)
 class RequestAffected:
+    """What happened to one request that held a bad page, once, when it finishes."""
+
     request_id: str
-    block_id: int
-    outcome: str  # "recomputed" | "failed" | "logged"
+    block_id: int  # the first bad block
+    block_ids: tuple[int, ...]
+    outcome: str  # "healed" | "suspect" | "failed" (core/policy.py)
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,14 @@ class BlockLedger:
         self.generation = np.zeros(num_blocks, dtype=np.uint32)
         # When each block was last sealed or verified (the caller's clock): scrub age.
         self.checked_at = np.zeros(num_blocks, dtype=np.float64)
+        # The step of each block's last seal or planned verification, and the one before it:
+        # a detection at step S tells how long the page went unverified while it was read
+        # (:meth:`last_good_step`). -1: never.
+        self.verified_step = np.full(num_blocks, -1, dtype=np.int64)
+        self.verified_before = np.full(num_blocks, -1, dtype=np.int64)
+        # How many live requests hold each block in their block table (given or hit): a
+        # block handed out while one does is a use-after-free, full pages included.
+        self.held = np.zeros(num_blocks, dtype=np.int32)
         # Who writes each FILLING block (an interned request number, -1: nobody), and the
         # blocks each request was given: the lifecycle audit. Arrays, so that a step's
         # allocations and seals are a few numpy calls per request, not Python per block.
@@ -153,11 +161,31 @@ class BlockLedger:
                 self.writer_of[blocks] = -1
                 plan.seal.extend(blocks.tolist())
         if plan.seal or plan.verify:
-            self.checked_at[plan.seal + plan.verify] = now
+            self.mark_verified(plan.seal + plan.verify, now)
         if read_budget != 0:
             running = [r for r in requests if not r.fresh and r.num_computed >= bs]
             plan.read_verify = self._reads(running, read_budget, now)
         return plan
+
+    def mark_verified(self, block_ids: Sequence[int] | np.ndarray, now: float) -> None:
+        """Blocks sealed or verified in the current step (one numpy pass, no Python per block)."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if not len(ids):
+            return
+        self.checked_at[ids] = now
+        last = self.verified_step[ids]
+        moved = last != self.step
+        self.verified_before[ids[moved]] = last[moved]
+        self.verified_step[ids] = self.step
+
+    def last_good_step(self, block_id: int, step: int) -> int:
+        """The last step before ``step`` in which ``block_id`` was sealed or verified (-1: none
+        known). A page found bad at ``step`` was last known good then: every forward between
+        the two read it unverified."""
+        last, before = int(self.verified_step[block_id]), int(self.verified_before[block_id])
+        if last < step:
+            return last
+        return before if before < step else -1
 
     def _number(self, req_id: str) -> int:
         number = self._numbers.get(req_id)
@@ -171,7 +199,19 @@ class BlockLedger:
         number = self._number(req_id)
         self.state[blocks] = BlockState.FILLING
         self.writer_of[blocks] = number
+        self._hold(number, blocks)
+
+    def _hold(self, number: int, blocks: np.ndarray) -> None:
+        self.held[blocks] += 1
         self._given.setdefault(number, []).append(blocks)
+
+    def holders_of(self, block_id: int) -> list[str]:
+        """Live requests whose block table holds ``block_id`` (the rare path: a scan)."""
+        return [
+            self._names[number]
+            for number, given in self._given.items()
+            if any(block_id in blocks for blocks in given)
+        ]
 
     def _allocate(self, req_id: str, blocks: np.ndarray, plan: StepPlan) -> None:
         states = self.state[blocks]
@@ -183,6 +223,15 @@ class BlockLedger:
         sealed = states == BlockState.SEALED
         if sealed.any():
             plan.forget.extend(blocks[sealed].tolist())
+            # A full page leaves the prefix cache for a new writer only when nobody holds it:
+            # one still in a live request's block table is being taken from its reader.
+            taken = blocks[sealed & (self.held[blocks] > 0)]
+            for block in taken.tolist():
+                holder = next(iter(self.holders_of(block)), None)
+                if holder is not None and holder != req_id:
+                    self.violations.append(
+                        LifecycleViolation(block, req_id, Violation.DOUBLE_ALLOCATION, holder)
+                    )
         filling = blocks[states == BlockState.FILLING]
         if len(filling):
             holders = self.writer_of[filling]
@@ -211,9 +260,11 @@ class BlockLedger:
         # another KV connector: read without a seal to verify against.
         unsealed = (states == BlockState.FILLING) | (states == BlockState.FREE)
         plan.unverified_hits += int(np.count_nonzero(unsealed))
-        free = blocks[states == BlockState.FREE]
-        if len(free):
-            self._own(free, req_id)
+        free = states == BlockState.FREE
+        if free.any():
+            self.state[blocks[free]] = BlockState.FILLING
+            self.writer_of[blocks[free]] = self._number(req_id)
+        self._hold(self._number(req_id), blocks)
 
     @property
     def writer(self) -> dict[int, str]:
@@ -232,6 +283,8 @@ class BlockLedger:
         if not given:
             return
         blocks = np.concatenate(given)
+        np.subtract.at(self.held, blocks, 1)
+        np.maximum(self.held, 0, out=self.held)
         mine = blocks[self.writer_of[blocks] == number]
         self.writer_of[mine] = -1
         self.state[mine[self.state[mine] == BlockState.FILLING]] = BlockState.FREE
@@ -292,7 +345,7 @@ class BlockLedger:
         ids = ids[states == BlockState.SEALED]
         _, first = np.unique(ids, return_index=True)
         ids = ids[np.sort(first)]
-        self.checked_at[ids] = now
+        self.mark_verified(ids, now)
         return ids.tolist()
 
     def quarantine(self, block_ids: Iterable[int]) -> list[int]:

@@ -11,14 +11,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_kvguard.config import Mode
+from vllm_kvguard.config import Mode, SuspectAction
 from vllm_kvguard.core.events import Action
 from vllm_kvguard.core.ledger import Violation
 
-# Per-request outcomes (``kv_request_affected`` and the requests_affected metric label).
-RECOMPUTED = "recomputed"
-FAILED = "failed"
-LOGGED = "logged"
+# What happened to a request that held a bad page (``kv_request_affected``, the
+# requests_affected metric label), once per request, the worst it came to:
+HEALED = "healed"  # recomputed before any token computed from the bad page left the engine
+SUSPECT = "suspect"  # finished, but tokens may come from the bad page: flagged (stop_reason, log)
+FAILED = "failed"  # ended with an error that names the block
+OUTCOMES = (HEALED, SUSPECT, FAILED)
+
+
+def worst(a: str | None, b: str) -> str:
+    """The more severe of two outcomes (healed < suspect < failed)."""
+    return b if a is None or OUTCOMES.index(b) > OUTCOMES.index(a) else a
+
+
+def reader_outcome(mode: Mode, suspect: SuspectAction, base: str, *, read_unverified: bool) -> str:
+    """The outcome of one request that held a bad page.
+
+    ``base`` is the finding's outcome for a request whose every read of the page was
+    verified first (its tokens never came from bad data). ``read_unverified``: the
+    request ran forwards that read the page after it was last known good and emitted
+    their tokens; recomputing now cannot take them back, so it cannot be healed: raise
+    mode fails it, log mode flags it, quarantine mode fails it unless
+    ``VLLM_KVGUARD_SUSPECT=flag``.
+    """
+    if not read_unverified or mode == Mode.RAISE:
+        return base
+    if mode == Mode.LOG or suspect == SuspectAction.FLAG:
+        return worst(base, SUSPECT)
+    return FAILED
 
 
 @dataclass(frozen=True)
@@ -43,6 +67,9 @@ class Decision:
     fail_holder: bool = False
     count_recompute: bool = False
     reason: str = ""
+    # For a lifecycle violation, whose request ``outcome`` is: "holder" (the request the
+    # block was taken from), "reader" (the request that reads it) or None (nobody's).
+    subject: str | None = None
 
 
 def on_corruption(mode: Mode) -> Decision:
@@ -53,10 +80,13 @@ def on_corruption(mode: Mode) -> Decision:
     and leaves them cached, so the guard evicts.
     """
     if mode == Mode.LOG:
-        return Decision(Action.LOGGED, LOGGED)
+        return Decision(Action.LOGGED, SUSPECT)
+    # Out of the prefix cache with every block its readers computed from it, in both modes:
+    # vLLM's fail policy evicts only the first reader's downstream blocks, so a second
+    # reader's pages, written from the bad page in the same step, would stay cached.
     if mode == Mode.RAISE:
-        return Decision(Action.REQUESTS_FAILED, FAILED, quarantine=True, fail_readers=True)
-    return Decision(Action.QUARANTINED_RECOMPUTED, RECOMPUTED, evict=True, quarantine=True)
+        return Decision(Action.REQUESTS_FAILED, FAILED, evict=True, quarantine=True, fail_readers=True)
+    return Decision(Action.QUARANTINED_RECOMPUTED, HEALED, evict=True, quarantine=True)
 
 
 NONFINITE_AGAIN = "non-finite again after a recompute: the model computes it, not a memory fault"
@@ -70,9 +100,9 @@ def on_nonfinite(mode: Mode | None, rewritten_after_recompute: bool) -> Decision
     numerical problem, not a memory one: evicted, no recompute loop.
     """
     if mode is None or mode == Mode.LOG:
-        return Decision(Action.LOGGED, LOGGED)
+        return Decision(Action.LOGGED, SUSPECT)
     if mode == Mode.QUARANTINE and rewritten_after_recompute:
-        return Decision(Action.EVICTED, LOGGED, evict=True, reason=NONFINITE_AGAIN)
+        return Decision(Action.EVICTED, SUSPECT, evict=True, reason=NONFINITE_AGAIN)
     if mode == Mode.RAISE:
         return Decision(
             Action.REQUESTS_FAILED,
@@ -82,28 +112,31 @@ def on_nonfinite(mode: Mode | None, rewritten_after_recompute: bool) -> Decision
             fail_readers=True,
             count_recompute=True,
         )
-    return Decision(Action.RECOMPUTED, RECOMPUTED, evict=True, invalidate=True, count_recompute=True)
+    return Decision(Action.RECOMPUTED, HEALED, evict=True, invalidate=True, count_recompute=True)
 
 
 def on_violation(mode: Mode, what: Violation, has_holder: bool) -> Decision:
     """A block used in a way only a scheduler bug explains.
 
-    A block handed to a second request while the first still writes it cannot be
-    healed by recomputing (both would keep writing the same block): the holder is
-    failed. A quarantined block reused from the prefix cache, or a released block in a
-    running request's block table, is reported unreadable, so its reader recomputes
+    A block handed to a second request while another still holds it (writing it, or
+    reading it as a full page) cannot be healed by recomputing (both would keep using the
+    same block): the holder is failed, and the block is reported unreadable so that the
+    holder's output of this step, read from a page the new owner is writing, is dropped.
+    A quarantined block reused from the prefix cache, or a released block in a running
+    request's block table, is reported unreadable, so its reader recomputes
     (quarantine) or fails (raise). A quarantined block handed out as a new block is
     overwritten before anyone reads it: logged only.
     """
-    if mode == Mode.LOG:
-        return Decision(Action.LOGGED, LOGGED)
-    if what == Violation.DOUBLE_ALLOCATION and has_holder:
-        return Decision(Action.REQUESTS_FAILED, FAILED, fail_holder=True)
-    if what in (Violation.QUARANTINED_REUSED, Violation.FREE_BLOCK_READ):
-        if mode == Mode.RAISE:
-            return Decision(Action.REQUESTS_FAILED, FAILED, invalidate=True, fail_readers=True)
-        return Decision(Action.RECOMPUTED, RECOMPUTED, invalidate=True)
-    return Decision(Action.LOGGED, LOGGED)
+    stolen = what == Violation.DOUBLE_ALLOCATION and has_holder
+    read = what in (Violation.QUARANTINED_REUSED, Violation.FREE_BLOCK_READ)
+    subject = "holder" if stolen else "reader" if read else None
+    if mode == Mode.LOG or subject is None:
+        return Decision(Action.LOGGED, SUSPECT, subject=subject)
+    if stolen:
+        return Decision(Action.REQUESTS_FAILED, FAILED, invalidate=True, fail_holder=True, subject=subject)
+    if mode == Mode.RAISE:
+        return Decision(Action.REQUESTS_FAILED, FAILED, invalidate=True, fail_readers=True, subject=subject)
+    return Decision(Action.RECOMPUTED, HEALED, invalidate=True, subject=subject)
 
 
 def quarantine_limit(max_fraction: float, num_blocks: int) -> int:

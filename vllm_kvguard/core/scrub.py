@@ -55,7 +55,7 @@ class Scrubber:
             return []
         self._credit -= want
         out = self._next_sealed(ledger.state, min(want, sealed))
-        ledger.checked_at[out] = now
+        ledger.mark_verified(out, now)
         return out
 
     def _next_sealed(self, state: np.ndarray, want: int) -> list[int]:

@@ -208,6 +208,12 @@ class KVPages:
             out[:, layers] = torch.stack(flags, dim=1).cpu().numpy()
         return out
 
+    def zero(self, block_ids: Sequence[int]) -> None:
+        """Zero the given blocks in every layer (one indexed fill per layer)."""
+        index = torch.as_tensor(list(block_ids), dtype=torch.int64, device=self.tensors[0].device)
+        for tensor in self.tensors:
+            tensor.index_fill_(0, index, 0)
+
     def page(self, block_id: int, layer: int) -> torch.Tensor:
         """The page as a tensor view (for fault injection and tests)."""
         return self.tensors[layer][block_id]

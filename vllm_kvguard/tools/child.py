@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_kvguard.errors import KVCacheCorruptionError
 from vllm_kvguard.tools import bench, drill
 from vllm_kvguard.tools.workload import Workload
 
@@ -23,11 +24,14 @@ def drill_workload(args: dict[str, Any]) -> None:
     workload = Workload(**args["workload"])
     llm = LLM(model=args["model"], **drill.ENGINE_ARGS)
     params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens)
-    texts: list[str | None] = []
+    # Per request: the text, None if it ended with an error, and whether the guard flagged it.
+    texts: list[tuple[str | None, bool]] = []
     for wave in workload.waves():
         for out in llm.generate(wave, params, use_tqdm=False):
             completion = out.outputs[0]
-            texts.append(None if completion.finish_reason == "error" else completion.text)
+            failed = completion.finish_reason == "error"
+            flagged = str(completion.stop_reason or "").startswith(KVCacheCorruptionError.PREFIX)
+            texts.append((None if failed else completion.text, flagged and not failed))
     Path(args["out"]).write_text(json.dumps(texts))
 
 

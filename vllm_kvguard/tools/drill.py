@@ -57,9 +57,13 @@ class DrillReport:
     quarantined: int = 0
     corrupted_blocks: int = 0
     nonfinite_blocks: int = 0
-    requests_recomputed: int = 0
+    requests_healed: int = 0
+    requests_suspect: int = 0
     requests_failed: int = 0
     outputs_identical: int = 0
+    # Outputs that differ from the clean run although the request neither failed nor was
+    # flagged: the one thing the guard must never let happen.
+    silently_wrong: int = 0
     detection_ms: list[float] = field(default_factory=list)
     internal_errors: int = 0
 
@@ -73,7 +77,7 @@ class DrillReport:
 
     @property
     def ok(self) -> bool:
-        return self.total.escaped == 0 and self.internal_errors == 0
+        return self.total.escaped == 0 and self.internal_errors == 0 and self.silently_wrong == 0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -95,7 +99,7 @@ def _ts(line: dict[str, Any]) -> float:
 
 def summarize(
     log_lines: list[dict[str, Any]],
-    outputs: list[str | None],
+    outputs: list[tuple[str | None, bool]],
     reference: list[str],
     *,
     mode: str,
@@ -141,9 +145,14 @@ def summarize(
                 report.detection_ms.append(round((when - injected_at[fid]) * 1000.0, 1))
             else:
                 row.escaped += 1
-    report.requests_recomputed = affected["recomputed"]
+    report.requests_healed = affected["healed"]
+    report.requests_suspect = affected["suspect"]
     report.requests_failed = affected["failed"]
-    report.outputs_identical = sum(1 for out, ref in zip(outputs, reference, strict=True) if out == ref)
+    pairs = list(zip(outputs, reference, strict=True))
+    report.outputs_identical = sum(1 for (text, _), ref in pairs if text == ref)
+    report.silently_wrong = sum(
+        1 for (text, flagged), ref in pairs if text is not None and not flagged and text != ref
+    )
     return report
 
 
@@ -170,14 +179,18 @@ def render(report: DrillReport) -> str:
         f"corrupted blocks detected     {report.corrupted_blocks}",
         f"non-finite pages at write     {report.nonfinite_blocks}",
         f"blocks quarantined            {report.quarantined}",
-        f"requests recomputed / failed  {report.requests_recomputed} / {report.requests_failed}",
+        f"requests healed / failed / suspect  "
+        f"{report.requests_healed} / {report.requests_failed} / {report.requests_suspect}",
         f"outputs identical to clean    {report.outputs_identical} / {report.requests}",
+        f"silently wrong outputs        {report.silently_wrong}",
         f"injection -> detection        median {med}, max {worst}",
         f"guard internal errors         {report.internal_errors}",
         "",
-        "PASS: every fault that was read was detected"
+        "PASS: every fault that was read was detected; no output differs from the clean run unless "
+        "its request failed or was flagged"
         if report.ok
-        else "FAIL: a fault that was read escaped detection (or the guard hit an internal error)",
+        else "FAIL: a fault that was read escaped detection, an output was silently wrong, or the guard "
+        "hit an internal error",
     ]
     return "\n".join(lines)
 
@@ -224,6 +237,9 @@ def run_drill(
         lambda: run_child("drill", {**base, "out": str(work / "guarded.json")}, env, work / "guarded.log"),
     )
     lines = [json.loads(line) for line in guard_log.read_text().splitlines() if line.strip()]
-    report = summarize(lines, outputs, reference, mode=str(mode), spec=spec)
+    clean = [text for text, _ in reference]
+    report = summarize(
+        lines, [(text, flagged) for text, flagged in outputs], clean, mode=str(mode), spec=spec
+    )
     progress.write(f"engine logs and the guard's log are in {work}\n")
     return report

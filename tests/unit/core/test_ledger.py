@@ -160,6 +160,7 @@ def test_sealed_blocks_have_no_writer() -> None:
     ledger = BlockLedger(16, BS)
     ledger.plan([req("a", 0, 8, True, [1, 2], [1, 2])])
     assert ledger.writer == {}
+    ledger.release_request("a")  # finished: its full blocks stay cached, held by nobody
     ledger.plan([req("b", 0, 7, True, [1, 2], [1, 2])])  # evicted from the cache, reallocated
     assert ledger.take_violations() == [] and ledger.writer == {2: "b"}
 
@@ -190,3 +191,43 @@ def test_same_step_hit_on_a_block_allocated_later_in_the_step_is_no_violation() 
     ledger.plan([req("b", 12, 2, True, [4], [1, 2, 3, 4]), req("a", 8, 6, False, [3, 5], [1, 2, 3, 5])])
     assert ledger.take_violations() == []
     assert ledger.writer.get(3) is None and ledger.state[3] == BlockState.SEALED
+
+
+def test_a_full_block_allocated_while_a_running_request_holds_it_is_a_violation() -> None:
+    """Use-after-free of a *full* page: the block pool hands a block still in a running
+    request's block table to a new request (the writer audit alone misses it: it is sealed)."""
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 9, True, [1, 2, 3], [1, 2, 3])])
+    ledger.plan([req("a", 9, 1, False, [], [1, 2, 3])])
+    plan = ledger.plan([req("a", 10, 1, False, [], [1, 2, 3]), req("thief", 0, 4, True, [2], [2])])
+    [v] = ledger.take_violations()
+    assert (v.block_id, v.what, v.req_id, v.holder) == (2, Violation.DOUBLE_ALLOCATION, "thief", "a")
+    assert plan.forget == [2]
+
+
+def test_a_shared_prefix_block_counts_every_holder() -> None:
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 9, True, [1, 2, 3], [1, 2, 3])])
+    ledger.plan([req("b", 8, 2, True, [4], [1, 2, 4])])
+    assert ledger.held[[1, 2, 3, 4]].tolist() == [2, 2, 1, 1]
+    ledger.release_request("a")
+    assert ledger.held[[1, 2, 3, 4]].tolist() == [1, 1, 0, 1] and ledger.holders_of(1) == ["b"]
+    ledger.release_request("b")
+    ledger.plan([req("c", 0, 4, True, [1], [1])])  # cached, held by nobody: a normal reuse
+    assert ledger.take_violations() == []
+
+
+def test_last_good_step_is_the_seal_or_verification_before_the_detection() -> None:
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 8, True, [1, 2], [1, 2])])  # step 1: sealed
+    for n in range(8, 12):  # steps 2-5: decoding, pages read unverified (reuse policy)
+        ledger.plan([req("a", n, 1, False, [3] if n == 8 else [], [1, 2, 3])])
+    assert ledger.last_good_step(1, 6) == 1
+    ledger.plan([req("b", 8, 1, True, [4], [1, 2, 4])])  # step 6: a hit, verified before it is read
+    # Found bad by the verification planned in step 6: good as of step 1, read unverified since.
+    assert ledger.last_good_step(1, 6) == 1
+    assert ledger.last_good_step(1, 7) == 6
+    # Verified in every step (paranoid): the page was good one step before it was found bad.
+    for n in range(12, 15):
+        ledger.plan([req("a", n, 1, False, [], [1, 2, 3])], read_budget=None)
+    assert ledger.last_good_step(1, ledger.step) == ledger.step - 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvguard.config import Mode
+from vllm_kvguard.config import Mode, SuspectAction
 from vllm_kvguard.core import policy
 from vllm_kvguard.core.events import Action
 from vllm_kvguard.core.ledger import Violation
@@ -13,10 +13,10 @@ from vllm_kvguard.core.ledger import Violation
 @pytest.mark.parametrize(
     ("mode", "action", "outcome", "evict", "quarantine", "fail"),
     [
-        (Mode.QUARANTINE, Action.QUARANTINED_RECOMPUTED, "recomputed", True, True, False),
-        # vLLM's fail policy evicts the block and the readers' later blocks itself.
-        (Mode.RAISE, Action.REQUESTS_FAILED, "failed", False, True, True),
-        (Mode.LOG, Action.LOGGED, "logged", False, False, False),
+        (Mode.QUARANTINE, Action.QUARANTINED_RECOMPUTED, "healed", True, True, False),
+        # vLLM's fail policy evicts only the first reader's later blocks: the guard evicts all.
+        (Mode.RAISE, Action.REQUESTS_FAILED, "failed", True, True, True),
+        (Mode.LOG, Action.LOGGED, "suspect", False, False, False),
     ],
 )
 def test_corruption(
@@ -36,13 +36,14 @@ def test_corruption(
 @pytest.mark.parametrize(
     ("mode", "again", "action", "outcome", "invalidate", "fail", "counted"),
     [
-        (Mode.QUARANTINE, False, Action.RECOMPUTED, "recomputed", True, False, True),
-        # Written non-finite again after one recompute: the model computes it; no loop.
-        (Mode.QUARANTINE, True, Action.EVICTED, "logged", False, False, False),
+        (Mode.QUARANTINE, False, Action.RECOMPUTED, "healed", True, False, True),
+        # Written non-finite again after one recompute: the model computes it; no loop, and
+        # the request goes on from an evicted page: suspect.
+        (Mode.QUARANTINE, True, Action.EVICTED, "suspect", False, False, False),
         (Mode.RAISE, False, Action.REQUESTS_FAILED, "failed", True, True, True),
         (Mode.RAISE, True, Action.REQUESTS_FAILED, "failed", True, True, True),
-        (Mode.LOG, False, Action.LOGGED, "logged", False, False, False),
-        (None, True, Action.LOGGED, "logged", False, False, False),
+        (Mode.LOG, False, Action.LOGGED, "suspect", False, False, False),
+        (None, True, Action.LOGGED, "suspect", False, False, False),
     ],
 )
 def test_nonfinite(
@@ -62,13 +63,17 @@ def test_nonfinite(
 
 
 @pytest.mark.parametrize("mode", [Mode.QUARANTINE, Mode.RAISE])
-def test_block_stolen_from_its_writer_fails_the_writer_in_both_acting_modes(mode: Mode) -> None:
+def test_block_stolen_from_its_holder_fails_the_holder_in_both_acting_modes(mode: Mode) -> None:
     d = policy.on_violation(mode, Violation.DOUBLE_ALLOCATION, has_holder=True)
-    assert (d.action, d.fail_holder, d.invalidate, d.fail_readers) == (
+    # Reported unreadable too: the holder's output of the step that read the new owner's
+    # writes is dropped before the guard ends it.
+    assert (d.action, d.outcome, d.fail_holder, d.invalidate, d.fail_readers, d.subject) == (
         Action.REQUESTS_FAILED,
+        "failed",
+        True,
         True,
         False,
-        False,
+        "holder",
     )
 
 
@@ -82,6 +87,7 @@ def test_unreadable_block_is_reported_to_vllm(
 ) -> None:
     d = policy.on_violation(mode, what, has_holder=False)
     assert (d.action, d.invalidate, d.fail_readers, d.fail_holder) == (action, True, fail, False)
+    assert d.subject == "reader" and d.outcome == ("failed" if fail else "healed")
 
 
 @pytest.mark.parametrize(
@@ -89,14 +95,46 @@ def test_unreadable_block_is_reported_to_vllm(
     [(Violation.QUARANTINED_ALLOCATED, False), (Violation.DOUBLE_ALLOCATION, False)],
 )
 @pytest.mark.parametrize("mode", list(Mode))
-def test_violations_nothing_can_act_on_are_logged(what: Violation, holder: bool, mode: Mode) -> None:
+def test_violations_that_touch_no_request_are_logged(what: Violation, holder: bool, mode: Mode) -> None:
     d = policy.on_violation(mode, what, has_holder=holder)
-    assert d == policy.Decision(Action.LOGGED, "logged")
+    assert d.action == Action.LOGGED and d.subject is None and not (d.invalidate or d.fail_holder)
 
 
 @pytest.mark.parametrize("what", list(Violation))
-def test_log_mode_only_logs_violations(what: Violation) -> None:
-    assert policy.on_violation(Mode.LOG, what, has_holder=True) == policy.Decision(Action.LOGGED, "logged")
+def test_log_mode_only_logs_violations_and_flags_who_read_them(what: Violation) -> None:
+    d = policy.on_violation(Mode.LOG, what, has_holder=True)
+    assert (d.action, d.outcome, d.invalidate, d.fail_holder, d.fail_readers) == (
+        Action.LOGGED,
+        "suspect",
+        False,
+        False,
+        False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "suspect", "verified", "unverified"),
+    [
+        # Every read verified first: recomputed before any token from the page left (healed).
+        # Tokens already emitted from the page: recomputing cannot take them back.
+        (Mode.QUARANTINE, SuspectAction.FAIL, "healed", "failed"),
+        (Mode.QUARANTINE, SuspectAction.FLAG, "healed", "suspect"),
+        (Mode.RAISE, SuspectAction.FAIL, "failed", "failed"),
+        (Mode.RAISE, SuspectAction.FLAG, "failed", "failed"),
+        (Mode.LOG, SuspectAction.FAIL, "suspect", "suspect"),
+    ],
+)
+def test_reader_outcome(mode: Mode, suspect: SuspectAction, verified: str, unverified: str) -> None:
+    base = policy.on_corruption(mode).outcome
+    assert policy.reader_outcome(mode, suspect, base, read_unverified=False) == verified
+    assert policy.reader_outcome(mode, suspect, base, read_unverified=True) == unverified
+
+
+def test_worst_outcome_wins() -> None:
+    assert policy.worst(None, "healed") == "healed"
+    assert policy.worst("healed", "suspect") == "suspect"
+    assert policy.worst("failed", "healed") == "failed"
+    assert policy.worst("suspect", "failed") == "failed"
 
 
 def test_quarantine_limit_and_pinning() -> None:

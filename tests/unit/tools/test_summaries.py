@@ -13,19 +13,21 @@ def test_summary_accounts_for_every_fault() -> None:
         _line("kv_fault_injected", 4.0, fault_id=4, kind="nan"),
         _line("kv_block_corrupted", 1.5, block_id=9),
         _line("kv_block_quarantined", 1.5, block_id=9, pinned=True),
-        _line("kv_request_affected", 1.5, outcome="recomputed"),
+        _line("kv_request_affected", 1.5, outcome="healed"),
         _line("kv_fault_outcome", 1.5, fault_id=1, outcome="detected"),
         _line("kv_fault_outcome", 2.5, fault_id=2, outcome="escaped"),
         _line("kv_fault_outcome", 3.5, fault_id=4, outcome="no_change"),
     ]
-    report = summarize(lines, ["a", None, "c"], ["a", "b", "x"], mode="quarantine", spec="bitflip;zero;nan")
+    outputs = [("a", False), (None, False), ("c", True)]
+    report = summarize(lines, outputs, ["a", "b", "x"], mode="quarantine", spec="bitflip;zero;nan")
     assert report.by_kind["bitflip"].detected == 1 and report.by_kind["bitflip"].read == 1
     assert report.by_kind["zero"].escaped == 1 and report.by_kind["zero"].not_read == 1
     assert report.by_kind["nan"].no_change == 1
     assert report.total.injected == 4 and report.total.read == 2
     assert report.detection_ms == [500.0]
-    assert report.quarantined == 1 and report.requests_recomputed == 1
-    assert report.outputs_identical == 1
+    assert report.quarantined == 1 and report.requests_healed == 1
+    # "c" differs from the clean "x" but was flagged; the failed one has no text: nothing silent.
+    assert report.outputs_identical == 1 and report.silently_wrong == 0
     assert not report.ok
     assert "FAIL" in render(report)
 
@@ -37,14 +39,14 @@ def test_write_time_faults_have_their_own_row() -> None:
         _line("kv_block_nonfinite", 2.0, block_id=4),
         _line("kv_fault_outcome", 2.0, fault_id=2, outcome="detected"),
     ]
-    report = summarize(lines, ["a"], ["a"], mode="quarantine", spec="nan;nan:at=write")
+    report = summarize(lines, [("a", False)], ["a"], mode="quarantine", spec="nan;nan:at=write")
     assert report.by_kind["nan@write"].detected == 1 and report.by_kind["nan"].not_read == 1
     assert report.nonfinite_blocks == 1 and report.ok
     assert "nan@write" in render(report) and "non-finite pages at write     1" in render(report)
 
 
 def test_clean_summary_passes() -> None:
-    report = summarize([], ["a"], ["a"], mode="log", spec="zero")
+    report = summarize([], [("a", False)], ["a"], mode="log", spec="zero")
     assert report.ok and report.by_kind["zero"].injected == 0
     assert "PASS" in render(report)
 
@@ -75,3 +77,13 @@ def test_bench_summary_medians_and_ratios() -> None:
     assert report["medians"]["off"]["guard_share"] is None
     text = render(report)
     assert "default" in text and "1.010" in text and "0.60 %" in text
+
+
+def test_an_output_that_differs_without_failing_or_flag_fails_the_drill() -> None:
+    lines = [
+        _line("kv_fault_injected", 1.0, fault_id=1, kind="bitflip"),
+        _line("kv_fault_outcome", 1.5, fault_id=1, outcome="detected"),
+    ]
+    report = summarize(lines, [("a", False), ("wrong", False)], ["a", "b"], mode="quarantine", spec="bitflip")
+    assert report.total.escaped == 0 and report.silently_wrong == 1
+    assert not report.ok and "silently wrong outputs        1" in render(report)

@@ -1,0 +1,377 @@
+"""No silent wrong text: vLLM's KV bug classes reproduced in a real engine, each with a control.
+
+Every test reproduces one class the way it behaves in vLLM (a page corrupted under a running
+request, a block pool that hands out a page still in use, two readers of one bad page in raise
+mode, a failed request's NaN left for the next owner of its blocks), first with the guard off
+(the control: the fault must change the output, else the test proves nothing), then with the
+guard on. The contract checked on every request: its text equals the clean run's, or it ended
+with an error, or the guard flagged it; and the log and metrics say which, once per request.
+
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that a test drives
+it step by step and patches vLLM's block pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.harness import engine, events, guard_env, words
+from vllm_kvguard import KVCacheCorruptionError
+
+pytestmark = pytest.mark.engine
+INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+OFF = {"VLLM_KVGUARD": "0", **INPROC}
+BLOCK = 32
+
+
+def _greedy(n: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n)
+
+
+def _scheduler(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def _metric(llm: Any, name: str, **labels: str) -> float:
+    return sum(
+        m.value
+        for m in llm.get_metrics()
+        if m.name == name and all(m.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+# Worker-side helpers that need no guard (the control runs have none): they reach vLLM's own
+# KV tensors, one per attention layer, blocks on dim 0 in the CPU layout.
+
+
+def _layers(worker: Any) -> list[Any]:
+    seen: dict[int, Any] = {}
+    for t in worker.model_runner.kv_caches:
+        seen.setdefault(t.data_ptr(), t)
+    return list(seen.values())
+
+
+def scramble(worker: Any, block: int, seed: int = 0) -> None:
+    """Overwrite one page of every layer with noise (a misdirected write, a DMA gone astray)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    for t in _layers(worker):
+        t[block].copy_((torch.randn(t[block].shape, generator=g) * 3).to(t.dtype))
+
+
+def poison(worker: Any, block: int) -> None:
+    """Fill one page of every layer with NaN."""
+    for t in _layers(worker):
+        t[block].fill_(float("nan"))
+
+
+def nonfinite_pages(worker: Any, blocks: list[int]) -> list[int]:
+    import torch
+
+    return [b for b in blocks if any(not torch.isfinite(t[b]).all() for t in _layers(worker))]
+
+
+def _pages_of(llm: Any, prompt: str) -> list[int]:
+    """Run ``prompt`` to the end; its block table, as vLLM freed it."""
+    manager = _scheduler(llm).kv_cache_manager
+    seen: list[list[int]] = []
+    free = manager.free
+
+    def spy(request: Any) -> None:
+        seen.append(list(manager.get_block_ids(request.request_id)[0]))
+        free(request)
+
+    manager.free = spy
+    try:
+        llm.generate([prompt], _greedy(1), use_tqdm=False)
+    finally:
+        manager.free = free
+    (table,) = seen
+    return table
+
+
+def _run(core: Any) -> dict[str, Any]:
+    """Step the engine until every request finished; final outputs by the caller's id."""
+    finished: dict[str, Any] = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                finished[out.request_id.rsplit("-", 1)[0]] = out
+    return finished
+
+
+def _honest(out: Any, clean: str) -> bool:
+    """The contract for one request: the clean text, an error, or flagged by the guard."""
+    c = out.outputs[0]
+    flagged = str(c.stop_reason or "").startswith(KVCacheCorruptionError.PREFIX)
+    return c.text == clean or c.finish_reason == "error" or flagged
+
+
+def _affected(log: Path) -> dict[str, str]:
+    lines = events(log, "kv_request_affected")
+    ids = [line["request_id"].rsplit("-", 1)[0] for line in lines]
+    assert len(ids) == len(set(ids)), f"reported more than once per request: {ids}"
+    return {i: line["outcome"] for i, line in zip(ids, lines, strict=True)}
+
+
+# ------------------------------------------------------------- 1. corrupted while running
+
+LONG_PROMPT = words(17, 8 * BLOCK) + " w300 w301"  # 8 full blocks, then 2 tokens
+SAMPLED = {
+    "VLLM_KVGUARD_VERIFY": "sampled",
+    "VLLM_KVGUARD_VERIFY_BUDGET": "32KiB",  # one page (2 layers x 16 KiB) per step: 8 steps a round
+    "VLLM_KVGUARD_SCRUB_INTERVAL": "0",
+}
+
+
+def _corrupt_mid_decode(llm: Any, pick: Callable[[list[int]], int]) -> tuple[str, Any, int]:
+    """The prompt's 8 pages are cached by a first run (the clean text); a second request reads
+    them while it decodes, and after 3 steps one of them is scrambled."""
+    clean = llm.generate([LONG_PROMPT], _greedy(32), use_tqdm=False)[0].outputs[0].text
+    core, scheduler = llm.llm_engine, _scheduler(llm)
+    core.add_request("victim", LONG_PROMPT, _greedy(32))
+    for _ in range(3):
+        core.step()
+    (victim,) = [r.request_id for r in scheduler.running]
+    block = pick(scheduler.kv_cache_manager.get_block_ids(victim)[0][:8])
+    llm.collective_rpc(scramble, args=(block,))
+    return clean, _run(core)["victim"], block
+
+
+def _just_verified(llm: Any) -> Callable[[list[int]], int]:
+    """The page the sampled verification checked last: the longest wait for the next check."""
+    from vllm_kvguard.connector import find_guard
+
+    def pick(blocks: list[int]) -> int:
+        guard = find_guard(_scheduler(llm).connector)
+        assert guard is not None and guard.scheduler is not None
+        steps = guard.scheduler.ledger.verified_step
+        return max(blocks, key=lambda b: int(steps[b]))
+
+    return pick
+
+
+def test_control_a_page_scrambled_mid_decode_changes_the_text(tiny_model: str) -> None:
+    with engine(tiny_model, OFF, num_gpu_blocks_override=64) as llm:
+        clean, out, _ = _corrupt_mid_decode(llm, lambda blocks: blocks[5])
+    assert out.outputs[0].finish_reason == "length" and out.outputs[0].text != clean
+
+
+@pytest.mark.parametrize("suspect", ["fail", "flag"])
+def test_tokens_emitted_from_a_page_corrupted_mid_decode_are_never_reported_healed(
+    tiny_model: str, tmp_path: Path, suspect: str
+) -> None:
+    """Sampled verification catches the page some steps later; the tokens sampled meanwhile
+    came from it. Default: the request fails, naming the block; with VLLM_KVGUARD_SUSPECT=flag
+    it finishes flagged. Never ``healed`` (recomputing cannot take emitted tokens back)."""
+    log = tmp_path / "guard.jsonl"
+    env = guard_env("quarantine", log, **INPROC, **SAMPLED, VLLM_KVGUARD_SUSPECT=suspect)
+    with engine(tiny_model, env, num_gpu_blocks_override=64) as llm:
+        clean, out, block = _corrupt_mid_decode(llm, _just_verified(llm))
+        assert llm.generate([LONG_PROMPT], _greedy(32), use_tqdm=False)[0].outputs[0].text == clean
+        affected_metric = _metric(llm, "vllm:kvguard_requests_affected", outcome=_outcome(suspect))
+    c = out.outputs[0]
+    (line,) = events(log, "kv_block_corrupted")
+    assert line["block_id"] == block and line["trigger"] == "sampled"
+    assert line["last_good_step"] < line["step"] - 1  # read unverified in between
+    assert _affected(log) == {"victim": _outcome(suspect)}
+    assert affected_metric == 1
+    assert str(c.stop_reason).startswith(f"KV-cache corruption: block {block} ")
+    assert "unverified" in str(c.stop_reason)
+    if suspect == "fail":
+        assert c.finish_reason == "error"
+    else:
+        assert c.finish_reason == "length" and str(c.stop_reason).endswith("(suspect)")
+    assert _honest(out, clean)
+
+
+def _outcome(suspect: str) -> str:
+    return "failed" if suspect == "fail" else "suspect"
+
+
+def test_paranoid_verification_heals_the_same_corruption(tiny_model: str, tmp_path: Path) -> None:
+    """Verified before every read: caught before any token came from the page, recomputed, the
+    text is the clean one, and the guard says ``healed``."""
+    log = tmp_path / "guard.jsonl"
+    env = guard_env("quarantine", log, **INPROC, VLLM_KVGUARD_VERIFY="paranoid")
+    with engine(tiny_model, env, num_gpu_blocks_override=64) as llm:
+        clean, out, block = _corrupt_mid_decode(llm, lambda blocks: blocks[5])
+    (line,) = events(log, "kv_block_corrupted")
+    assert line["block_id"] == block and line["last_good_step"] == line["step"] - 1
+    assert out.outputs[0].finish_reason == "length" and out.outputs[0].text == clean
+    assert out.outputs[0].stop_reason is None
+    assert _affected(log) == {"victim": "healed"}
+
+
+# ------------------------------------------------------------ 2. full page taken while read
+
+
+def _steal_a_full_page(llm: Any) -> dict[str, Any]:
+    """A ref-count bug in the block pool: a *full* page of a running request (in its block
+    table, read by every step) goes back to the free queue and is handed to a new request,
+    which writes its own KV there."""
+    core, scheduler = llm.llm_engine, _scheduler(llm)
+    core.add_request("victim", words(11, 3 * BLOCK + 8), _greedy(40))
+    for _ in range(4):  # prefill (2 chunks) + decode: 3 full pages sealed
+        core.step()
+    (victim,) = [r.request_id for r in scheduler.running]
+    held = scheduler.kv_cache_manager.get_block_ids(victim)[0][1]
+    pool = scheduler.kv_cache_manager.block_pool
+    allocate = pool.get_new_blocks
+
+    def buggy(num_blocks: int) -> list[Any]:
+        pool.get_new_blocks = allocate
+        blocks = allocate(num_blocks)
+        pool.free_blocks([blocks[0]])
+        stolen = pool.blocks[held]
+        pool._maybe_evict_cached_block(stolen)
+        stolen.ref_cnt += 1
+        return [stolen, *blocks[1:]]
+
+    pool.get_new_blocks = buggy
+    core.add_request("thief", words(90, 2 * BLOCK), _greedy(8))
+    out = _run(core)
+    out["held"] = held
+    return out
+
+
+def test_control_a_full_page_taken_from_a_running_request_changes_its_text(tiny_model: str) -> None:
+    with engine(tiny_model, OFF, num_gpu_blocks_override=64) as llm:
+        clean = llm.generate([words(11, 3 * BLOCK + 8)], _greedy(40), use_tqdm=False)[0].outputs[0].text
+        llm.llm_engine.reset_prefix_cache()
+        out = _steal_a_full_page(llm)
+    assert out["victim"].outputs[0].finish_reason == "length"
+    assert out["victim"].outputs[0].text != clean
+
+
+def test_a_full_page_taken_from_a_running_request_fails_it(tiny_model: str, tmp_path: Path) -> None:
+    log = tmp_path / "guard.jsonl"
+    with engine(tiny_model, guard_env("quarantine", log, **INPROC), num_gpu_blocks_override=64) as llm:
+        out = _steal_a_full_page(llm)
+        # The engine keeps serving, and the thief's page is sealed as its own.
+        assert llm.generate([words(5, 50)], _greedy(4), use_tqdm=False)[0].outputs[0].text
+    (line,) = events(log, "kv_block_lifecycle_violation")
+    assert line["block_id"] == out["held"] and line["what"] == "allocated_while_held"
+    assert line["holder_request_id"].startswith("victim") and line["request_id"].startswith("thief")
+    victim = out["victim"].outputs[0]
+    assert victim.finish_reason == "error" and "lifecycle violation" in str(victim.stop_reason)
+    assert out["thief"].outputs[0].finish_reason == "length"
+    assert _affected(log) == {"victim": "failed"}
+    assert events(log, "kvguard_internal_error") == []
+
+
+# -------------------------------------------------- 3. raise mode: pages written from a bad page
+
+PREFIX = words(23, 4 * BLOCK)
+READERS = [f"{PREFIX} " + words(200 + 50 * i, 40) for i in range(2)]  # 4 shared pages + 40 tokens
+
+
+def _two_readers_of_a_bad_page(llm: Any) -> tuple[list[Any], int]:
+    """A caches the prefix; one of its pages is scrambled; two requests read it in one step,
+    each writing a full page of its own from it in that step."""
+    block = _pages_of(llm, f"{PREFIX} w398 w399")[1]
+    llm.collective_rpc(scramble, args=(block, 7))
+    return llm.generate(READERS, _greedy(8), use_tqdm=False), block
+
+
+def test_control_two_readers_of_a_bad_page_get_wrong_text(tiny_model: str) -> None:
+    with engine(tiny_model, OFF, num_gpu_blocks_override=64) as llm:
+        clean = [o.outputs[0].text for o in llm.generate(READERS, _greedy(8), use_tqdm=False)]
+        llm.llm_engine.reset_prefix_cache()
+        outs, _ = _two_readers_of_a_bad_page(llm)
+    assert [o.outputs[0].text for o in outs] != clean
+
+
+def test_raise_mode_evicts_the_pages_every_failed_reader_wrote(tiny_model: str, tmp_path: Path) -> None:
+    """vLLM's fail policy evicts only the first reader's later pages; the second reader's page,
+    computed from the bad page in the same step, would stay cached and be served, intact and
+    sealed, to the next request with that prompt."""
+    with engine(tiny_model, OFF, num_gpu_blocks_override=64) as llm:
+        clean = [o.outputs[0].text for o in llm.generate(READERS, _greedy(8), use_tqdm=False)]
+    log = tmp_path / "guard.jsonl"
+    with engine(tiny_model, guard_env("raise", log, **INPROC), num_gpu_blocks_override=64) as llm:
+        outs, block = _two_readers_of_a_bad_page(llm)
+        assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
+        # The bad page is recomputed by the next request with the prefix...
+        llm.generate([f"{PREFIX} w398 w399"], _greedy(1), use_tqdm=False)
+        # ...and each reader's prompt again gets the 4 prefix pages from the cache, not the
+        # page it wrote from the bad one.
+        again = [llm.generate([p], _greedy(8), use_tqdm=False)[0] for p in READERS]
+    assert [o.outputs[0].text for o in again] == clean
+    assert [o.num_cached_tokens for o in again] == [4 * BLOCK, 4 * BLOCK]
+    (line,) = events(log, "kv_block_corrupted")
+    assert line["block_id"] == block and line["action"] == "requests_failed"
+    assert sorted(_affected(log).values()) == ["failed", "failed"]
+
+
+# ----------------------------------------------------- 4. a failed request's NaN, next owner
+
+
+def _nan_then_next_owner(llm: Any) -> tuple[Any, list[int], Any]:
+    """A NaN page is read by B (its forward writes NaN into its own pages, the unfilled last
+    one included); B's pages go back to the pool; C is given B's unfilled last page and writes
+    fewer slots than B did. Returns (B's output, B's pages, C's output)."""
+    scheduler = _scheduler(llm)
+    llm.collective_rpc(poison, args=(_pages_of(llm, f"{PREFIX} w398 w399")[1],))
+    tables: dict[str, list[int]] = {}
+    manager = scheduler.kv_cache_manager
+    free = manager.free
+
+    def recording_free(request: Any) -> None:
+        tables[request.request_id.rsplit("-", 1)[0]] = list(manager.get_block_ids(request.request_id)[0])
+        free(request)
+
+    manager.free = recording_free
+    core = llm.llm_engine
+    core.add_request("b", f"{PREFIX} " + words(250, 60), _greedy(4))
+    b = _run(core)["b"]
+    manager.free = free
+    b_pages = tables["b"]
+    last = b_pages[-1]  # B's unfilled last page: 28 of its 32 slots written by B
+    pool = scheduler.kv_cache_manager.block_pool
+    allocate = pool.get_new_blocks
+
+    def next_owner(num_blocks: int) -> list[Any]:
+        # The free queue's order is vLLM's business: any freed block may come next.
+        pool.get_new_blocks = allocate
+        blk = pool.blocks[last]
+        pool.free_block_queue.remove(blk)
+        pool._maybe_evict_cached_block(blk)
+        blk.ref_cnt += 1
+        return [blk, *allocate(num_blocks - 1)]
+
+    pool.get_new_blocks = next_owner
+    core.add_request("c", C_PROMPT, _greedy(4))
+    return b, b_pages, _run(core)["c"]
+
+
+C_PROMPT = words(333, 10)
+
+
+def test_control_nan_left_by_a_reader_poisons_the_next_owner(tiny_model: str) -> None:
+    with engine(tiny_model, OFF, num_gpu_blocks_override=64) as llm:
+        clean_c = llm.generate([C_PROMPT], _greedy(4), use_tqdm=False)[0].outputs[0].text
+        llm.llm_engine.reset_prefix_cache()
+        _, _, c = _nan_then_next_owner(llm)
+    assert c.outputs[0].text != clean_c
+
+
+def test_a_failed_request_leaves_no_nan_for_the_next_owner(tiny_model: str, tmp_path: Path) -> None:
+    log = tmp_path / "guard.jsonl"
+    with engine(tiny_model, OFF, num_gpu_blocks_override=64) as llm:
+        clean_c = llm.generate([C_PROMPT], _greedy(4), use_tqdm=False)[0].outputs[0].text
+    with engine(tiny_model, guard_env("raise", log, **INPROC), num_gpu_blocks_override=64) as llm:
+        b, b_pages, c = _nan_then_next_owner(llm)
+        left = llm.collective_rpc(nonfinite_pages, args=(b_pages[2:],))[0]
+    assert b.outputs[0].finish_reason == "error"
+    assert c.outputs[0].text == clean_c and c.outputs[0].finish_reason == "length"
+    # Every page B wrote from the bad one was zeroed before anyone else got it.
+    assert left == []
+    assert _affected(log) == {"b": "failed"}
