@@ -92,9 +92,9 @@ def test_device_path_is_clean_then_catches_and_heals_a_flip(
         # The device check's finding reached vLLM's bad-block handling (recompute).
         assert handled == [{bad.block_id}], handled
         # No hook waited for a device result: every check was first read back by the
-        # update_from_output wrapper, after the step's output was complete.
+        # update_from_output patch (before_output), after the step's output was complete.
         assert len(first_reads) > 20
-        assert all("settle_output" in stack and not stack & HOOKS for stack in first_reads)
+        assert all("before_output" in stack and not stack & HOOKS for stack in first_reads)
     (started,) = [e for e in events(log, "kvguard_started") if e.get("role") == "worker"]
     assert started["details"]["digest"] == "kvg64" and started["details"]["deferred"] is True
     assert [o.outputs[0].text for o in outs] == bad.clean
@@ -102,7 +102,7 @@ def test_device_path_is_clean_then_catches_and_heals_a_flip(
     assert line["block_id"] == bad.block_id and line["layers"] == [bad.layers[0]]
     assert line["trigger"] == "reuse" and line["action"] == "quarantined_and_recomputed"
     assert line["expected_digest"] != line["actual_digest"]
-    assert {a["outcome"] for a in events(log, "kv_request_affected")} == {"recomputed"}
+    assert {a["outcome"] for a in events(log, "kv_request_affected")} == {"healed"}
     assert CLEAN.max_tokens > 0
 
 

@@ -75,7 +75,7 @@ def test_bit_flip_is_detected_quarantined_and_recomputed(quarantine_engine) -> N
     assert line["level"] == "error" and line["model_name"]
     (q,) = events(log, "kv_block_quarantined")
     assert q["block_id"] == bad.block_id and q["pinned"] is True
-    assert {a["outcome"] for a in events(log, "kv_request_affected")} == {"recomputed"}
+    assert {a["outcome"] for a in events(log, "kv_request_affected")} == {"healed"}
 
 
 def test_third_pass_after_quarantine_is_still_correct(quarantine_engine) -> None:
@@ -109,7 +109,7 @@ def test_standalone_exporter_serves_the_guard_series(quarantine_engine) -> None:
 
     assert value("vllm:kvguard_corruptions_detected_total", ("kind", "checksum_mismatch")) == 1
     assert value("vllm:kvguard_blocks_quarantined") == 1
-    assert value("vllm:kvguard_requests_affected_total", ("outcome", "recomputed")) >= 1
+    assert value("vllm:kvguard_requests_affected_total", ("outcome", "healed")) >= 1
     assert value("vllm:kvguard_blocks_sealed_total") > 0
     assert value("vllm:kvguard_verifications_total", ("trigger", "reuse")) > 0
 

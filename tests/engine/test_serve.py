@@ -191,7 +191,7 @@ def test_corruption_moves_metrics_and_fires_the_alert(server: dict[str, Any], pr
     assert _value(after, "vllm:kvguard_corruptions_detected_total", kind="checksum_mismatch") == 1
     assert _value(after, "vllm:kvguard_faults_injected_total", kind="bitflip") == 1
     assert _value(after, "vllm:kvguard_blocks_quarantined") == 1
-    assert _value(after, "vllm:kvguard_requests_affected_total", outcome="recomputed") == 1
+    assert _value(after, "vllm:kvguard_requests_affected_total", outcome="healed") == 1
     assert _value(after, "vllm:kvguard_requests_affected_total", outcome="failed") == 0
     assert _value(after, "vllm:kvguard_tokens_recomputed_total") >= 32
     assert _value(after, "vllm:kvguard_blocks_sealed_total") >= 4

@@ -119,7 +119,7 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
     internal_errors: list[str] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=dict)  # GuardCounters.to_dict()
     # Blocks to report unreadable that were found after get_block_ids_with_load_errors
-    # ran (device checks, settled with the step's output); see patches.settle_output().
+    # ran (device checks, settled with the step's output); see KVGuardScheduler.before_output().
     invalid: set[int] = field(default_factory=set)
     # Device checks of this step, still on the device (never pickled: settled first).
     pending: list[DeviceCheck] = field(default_factory=list)
