@@ -179,7 +179,7 @@ def render(report: DrillReport) -> str:
         f"corrupted blocks detected     {report.corrupted_blocks}",
         f"non-finite pages at write     {report.nonfinite_blocks}",
         f"blocks quarantined            {report.quarantined}",
-        f"requests healed / failed / suspect  "
+        f"healed / failed / suspect     "
         f"{report.requests_healed} / {report.requests_failed} / {report.requests_suspect}",
         f"outputs identical to clean    {report.outputs_identical} / {report.requests}",
         f"silently wrong outputs        {report.silently_wrong}",
