@@ -99,3 +99,41 @@ def spy_invalid_blocks(scheduler: Any) -> list[set[int]]:
 
     scheduler._handle_invalid_blocks = spy
     return seen
+
+
+def greedy(max_tokens: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def core_scheduler(llm: Any) -> Any:
+    """vLLM's scheduler of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def metric(llm: Any, name: str, **labels: str) -> float:
+    return sum(
+        m.value
+        for m in llm.get_metrics()
+        if m.name == name and all(m.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def steal_on_next_allocation(scheduler: Any, held: int) -> None:
+    """A ref-count bug in vLLM's block pool, once: the next allocation hands out block ``held``,
+    which a running request still holds, as if it had been free (its prefix-cache entry, if
+    any, is dropped the way the allocator drops a reused block's)."""
+    pool = scheduler.kv_cache_manager.block_pool
+    allocate = pool.get_new_blocks
+
+    def buggy(num_blocks: int) -> list[Any]:
+        pool.get_new_blocks = allocate
+        blocks = allocate(num_blocks)
+        pool.free_blocks([blocks[0]])
+        stolen = pool.blocks[held]
+        pool._maybe_evict_cached_block(stolen)
+        stolen.ref_cnt += 1
+        return [stolen, *blocks[1:]]
+
+    pool.get_new_blocks = buggy

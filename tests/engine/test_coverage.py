@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
-from tests.engine.harness import engine, events, guard_env, words
+from tests.engine.harness import engine, events, guard_env, steal_on_next_allocation, words
 from vllm_kvguard import raise_for_corruption, testing
 from vllm_kvguard.errors import KVCacheCorruptionError
 from vllm_kvguard.tools.tinymodel import build_tiny_model
@@ -147,19 +147,7 @@ def test_auditor_catches_a_forced_double_allocation(tiny_model: str, tmp_path: P
             core.step()
         (victim,) = [r.request_id for r in scheduler.running]
         held = scheduler.kv_cache_manager.get_block_ids(victim)[0][-1]  # half written, writable
-
-        pool = scheduler.kv_cache_manager.block_pool
-        allocate = pool.get_new_blocks
-
-        def buggy(num_blocks: int) -> list[Any]:
-            pool.get_new_blocks = allocate
-            blocks = allocate(num_blocks)
-            pool.free_blocks([blocks[0]])
-            stolen = pool.blocks[held]
-            stolen.ref_cnt += 1
-            return [stolen, *blocks[1:]]
-
-        pool.get_new_blocks = buggy
+        steal_on_next_allocation(scheduler, held)
         core.add_request("thief", words(90, 20), _greedy(8))
         finished: dict[str, Any] = {}
         while core.has_unfinished_requests():

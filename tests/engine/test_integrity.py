@@ -19,31 +19,22 @@ from typing import Any
 
 import pytest
 
-from tests.engine.harness import engine, events, guard_env, words
+from tests.engine.harness import (
+    core_scheduler,
+    engine,
+    events,
+    greedy,
+    guard_env,
+    metric,
+    steal_on_next_allocation,
+    words,
+)
 from vllm_kvguard import KVCacheCorruptionError
 
 pytestmark = pytest.mark.engine
 INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 OFF = {"VLLM_KVGUARD": "0", **INPROC}
 BLOCK = 32
-
-
-def _greedy(n: int) -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=n)
-
-
-def _scheduler(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler
-
-
-def _metric(llm: Any, name: str, **labels: str) -> float:
-    return sum(
-        m.value
-        for m in llm.get_metrics()
-        if m.name == name and all(m.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 # Worker-side helpers that need no guard (the control runs have none): they reach vLLM's own
@@ -80,7 +71,7 @@ def nonfinite_pages(worker: Any, blocks: list[int]) -> list[int]:
 
 def _pages_of(llm: Any, prompt: str) -> list[int]:
     """Run ``prompt`` to the end; its block table, as vLLM freed it."""
-    manager = _scheduler(llm).kv_cache_manager
+    manager = core_scheduler(llm).kv_cache_manager
     seen: list[list[int]] = []
     free = manager.free
 
@@ -90,7 +81,7 @@ def _pages_of(llm: Any, prompt: str) -> list[int]:
 
     manager.free = spy
     try:
-        llm.generate([prompt], _greedy(1), use_tqdm=False)
+        llm.generate([prompt], greedy(1), use_tqdm=False)
     finally:
         manager.free = free
     (table,) = seen
@@ -134,9 +125,9 @@ SAMPLED = {
 def _corrupt_mid_decode(llm: Any, pick: Callable[[list[int]], int]) -> tuple[str, Any, int]:
     """The prompt's 8 pages are cached by a first run (the clean text); a second request reads
     them while it decodes, and after 3 steps one of them is scrambled."""
-    clean = llm.generate([LONG_PROMPT], _greedy(32), use_tqdm=False)[0].outputs[0].text
-    core, scheduler = llm.llm_engine, _scheduler(llm)
-    core.add_request("victim", LONG_PROMPT, _greedy(32))
+    clean = llm.generate([LONG_PROMPT], greedy(32), use_tqdm=False)[0].outputs[0].text
+    core, scheduler = llm.llm_engine, core_scheduler(llm)
+    core.add_request("victim", LONG_PROMPT, greedy(32))
     for _ in range(3):
         core.step()
     (victim,) = [r.request_id for r in scheduler.running]
@@ -150,7 +141,7 @@ def _just_verified(llm: Any) -> Callable[[list[int]], int]:
     from vllm_kvguard.connector import find_guard
 
     def pick(blocks: list[int]) -> int:
-        guard = find_guard(_scheduler(llm).connector)
+        guard = find_guard(core_scheduler(llm).connector)
         assert guard is not None and guard.scheduler is not None
         steps = guard.scheduler.ledger.verified_step
         return max(blocks, key=lambda b: int(steps[b]))
@@ -175,8 +166,8 @@ def test_tokens_emitted_from_a_page_corrupted_mid_decode_are_never_reported_heal
     env = guard_env("quarantine", log, **INPROC, **SAMPLED, VLLM_KVGUARD_SUSPECT=suspect)
     with engine(tiny_model, env, num_gpu_blocks_override=64) as llm:
         clean, out, block = _corrupt_mid_decode(llm, _just_verified(llm))
-        assert llm.generate([LONG_PROMPT], _greedy(32), use_tqdm=False)[0].outputs[0].text == clean
-        affected_metric = _metric(llm, "vllm:kvguard_requests_affected", outcome=_outcome(suspect))
+        assert llm.generate([LONG_PROMPT], greedy(32), use_tqdm=False)[0].outputs[0].text == clean
+        affected_metric = metric(llm, "vllm:kvguard_requests_affected", outcome=_outcome(suspect))
     c = out.outputs[0]
     (line,) = events(log, "kv_block_corrupted")
     assert line["block_id"] == block and line["trigger"] == "sampled"
@@ -210,6 +201,51 @@ def test_paranoid_verification_heals_the_same_corruption(tiny_model: str, tmp_pa
     assert _affected(log) == {"victim": "healed"}
 
 
+def _finish_on_a_bad_page(llm: Any, pick: Callable[[list[int]], int]) -> tuple[str, Any]:
+    """As above, but the victim asks for 6 tokens: it finishes 3 steps after the scramble."""
+    clean = llm.generate([LONG_PROMPT], greedy(6), use_tqdm=False)[0].outputs[0].text
+    core, scheduler = llm.llm_engine, core_scheduler(llm)
+    core.add_request("victim", LONG_PROMPT, greedy(6))
+    for _ in range(3):
+        core.step()
+    (victim,) = [r.request_id for r in scheduler.running]
+    llm.collective_rpc(scramble, args=(pick(scheduler.kv_cache_manager.get_block_ids(victim)[0][:8]),))
+    return clean, _run(core)["victim"]
+
+
+def test_control_a_page_scrambled_before_the_last_tokens_changes_them(tiny_model: str) -> None:
+    with engine(tiny_model, OFF, num_gpu_blocks_override=64) as llm:
+        clean, out = _finish_on_a_bad_page(llm, lambda blocks: blocks[5])
+    assert out.outputs[0].finish_reason == "length" and out.outputs[0].text != clean
+
+
+def test_a_request_that_finishes_before_its_bad_page_is_caught_is_named_when_it_is(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """Sampled verification's window: the victim finishes before the rotation reaches the page,
+    so its text leaves unflagged. The next hit of the page catches it, and the guard then names
+    the victim: ``suspect``, late, once, in the log and the metric."""
+    log = tmp_path / "guard.jsonl"
+    with engine(
+        tiny_model, guard_env("quarantine", log, **INPROC, **SAMPLED), num_gpu_blocks_override=64
+    ) as llm:
+        clean, out = _finish_on_a_bad_page(llm, _just_verified(llm))
+        assert events(log, "kv_block_corrupted") == []  # not caught yet: the victim left unflagged
+        assert out.outputs[0].finish_reason == "length" and out.outputs[0].stop_reason is None
+        again = llm.generate([LONG_PROMPT], greedy(6), use_tqdm=False)[0]
+        suspect = metric(llm, "vllm:kvguard_requests_affected", outcome="suspect")
+    (line,) = events(log, "kv_block_corrupted")
+    assert line["trigger"] == "reuse"
+    lines = events(log, "kv_request_affected")
+    late = {r["request_id"].rsplit("-", 1)[0]: r for r in lines if r["late"]}
+    assert list(late) == ["victim"] and late["victim"]["outcome"] == "suspect"
+    assert late["victim"]["block_id"] == line["block_id"]
+    assert suspect == 1
+    # The request that reused the page was verified before it read it: healed.
+    assert [r["outcome"] for r in lines if not r["late"]] == ["healed"]
+    assert again.outputs[0].finish_reason == "length" and again.outputs[0].text == clean
+
+
 # ------------------------------------------------------------ 2. full page taken while read
 
 
@@ -217,26 +253,14 @@ def _steal_a_full_page(llm: Any) -> dict[str, Any]:
     """A ref-count bug in the block pool: a *full* page of a running request (in its block
     table, read by every step) goes back to the free queue and is handed to a new request,
     which writes its own KV there."""
-    core, scheduler = llm.llm_engine, _scheduler(llm)
-    core.add_request("victim", words(11, 3 * BLOCK + 8), _greedy(40))
+    core, scheduler = llm.llm_engine, core_scheduler(llm)
+    core.add_request("victim", words(11, 3 * BLOCK + 8), greedy(40))
     for _ in range(4):  # prefill (2 chunks) + decode: 3 full pages sealed
         core.step()
     (victim,) = [r.request_id for r in scheduler.running]
     held = scheduler.kv_cache_manager.get_block_ids(victim)[0][1]
-    pool = scheduler.kv_cache_manager.block_pool
-    allocate = pool.get_new_blocks
-
-    def buggy(num_blocks: int) -> list[Any]:
-        pool.get_new_blocks = allocate
-        blocks = allocate(num_blocks)
-        pool.free_blocks([blocks[0]])
-        stolen = pool.blocks[held]
-        pool._maybe_evict_cached_block(stolen)
-        stolen.ref_cnt += 1
-        return [stolen, *blocks[1:]]
-
-    pool.get_new_blocks = buggy
-    core.add_request("thief", words(90, 2 * BLOCK), _greedy(8))
+    steal_on_next_allocation(scheduler, held)
+    core.add_request("thief", words(90, 2 * BLOCK), greedy(8))
     out = _run(core)
     out["held"] = held
     return out
@@ -244,7 +268,7 @@ def _steal_a_full_page(llm: Any) -> dict[str, Any]:
 
 def test_control_a_full_page_taken_from_a_running_request_changes_its_text(tiny_model: str) -> None:
     with engine(tiny_model, OFF, num_gpu_blocks_override=64) as llm:
-        clean = llm.generate([words(11, 3 * BLOCK + 8)], _greedy(40), use_tqdm=False)[0].outputs[0].text
+        clean = llm.generate([words(11, 3 * BLOCK + 8)], greedy(40), use_tqdm=False)[0].outputs[0].text
         llm.llm_engine.reset_prefix_cache()
         out = _steal_a_full_page(llm)
     assert out["victim"].outputs[0].finish_reason == "length"
@@ -256,7 +280,7 @@ def test_a_full_page_taken_from_a_running_request_fails_it(tiny_model: str, tmp_
     with engine(tiny_model, guard_env("quarantine", log, **INPROC), num_gpu_blocks_override=64) as llm:
         out = _steal_a_full_page(llm)
         # The engine keeps serving, and the thief's page is sealed as its own.
-        assert llm.generate([words(5, 50)], _greedy(4), use_tqdm=False)[0].outputs[0].text
+        assert llm.generate([words(5, 50)], greedy(4), use_tqdm=False)[0].outputs[0].text
     (line,) = events(log, "kv_block_lifecycle_violation")
     assert line["block_id"] == out["held"] and line["what"] == "allocated_while_held"
     assert line["holder_request_id"].startswith("victim") and line["request_id"].startswith("thief")
@@ -278,12 +302,12 @@ def _two_readers_of_a_bad_page(llm: Any) -> tuple[list[Any], int]:
     each writing a full page of its own from it in that step."""
     block = _pages_of(llm, f"{PREFIX} w398 w399")[1]
     llm.collective_rpc(scramble, args=(block, 7))
-    return llm.generate(READERS, _greedy(8), use_tqdm=False), block
+    return llm.generate(READERS, greedy(8), use_tqdm=False), block
 
 
 def test_control_two_readers_of_a_bad_page_get_wrong_text(tiny_model: str) -> None:
     with engine(tiny_model, OFF, num_gpu_blocks_override=64) as llm:
-        clean = [o.outputs[0].text for o in llm.generate(READERS, _greedy(8), use_tqdm=False)]
+        clean = [o.outputs[0].text for o in llm.generate(READERS, greedy(8), use_tqdm=False)]
         llm.llm_engine.reset_prefix_cache()
         outs, _ = _two_readers_of_a_bad_page(llm)
     assert [o.outputs[0].text for o in outs] != clean
@@ -294,16 +318,16 @@ def test_raise_mode_evicts_the_pages_every_failed_reader_wrote(tiny_model: str, 
     computed from the bad page in the same step, would stay cached and be served, intact and
     sealed, to the next request with that prompt."""
     with engine(tiny_model, OFF, num_gpu_blocks_override=64) as llm:
-        clean = [o.outputs[0].text for o in llm.generate(READERS, _greedy(8), use_tqdm=False)]
+        clean = [o.outputs[0].text for o in llm.generate(READERS, greedy(8), use_tqdm=False)]
     log = tmp_path / "guard.jsonl"
     with engine(tiny_model, guard_env("raise", log, **INPROC), num_gpu_blocks_override=64) as llm:
         outs, block = _two_readers_of_a_bad_page(llm)
         assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
         # The bad page is recomputed by the next request with the prefix...
-        llm.generate([f"{PREFIX} w398 w399"], _greedy(1), use_tqdm=False)
+        llm.generate([f"{PREFIX} w398 w399"], greedy(1), use_tqdm=False)
         # ...and each reader's prompt again gets the 4 prefix pages from the cache, not the
         # page it wrote from the bad one.
-        again = [llm.generate([p], _greedy(8), use_tqdm=False)[0] for p in READERS]
+        again = [llm.generate([p], greedy(8), use_tqdm=False)[0] for p in READERS]
     assert [o.outputs[0].text for o in again] == clean
     assert [o.num_cached_tokens for o in again] == [4 * BLOCK, 4 * BLOCK]
     (line,) = events(log, "kv_block_corrupted")
@@ -318,7 +342,7 @@ def _nan_then_next_owner(llm: Any) -> tuple[Any, list[int], Any]:
     """A NaN page is read by B (its forward writes NaN into its own pages, the unfilled last
     one included); B's pages go back to the pool; C is given B's unfilled last page and writes
     fewer slots than B did. Returns (B's output, B's pages, C's output)."""
-    scheduler = _scheduler(llm)
+    scheduler = core_scheduler(llm)
     llm.collective_rpc(poison, args=(_pages_of(llm, f"{PREFIX} w398 w399")[1],))
     tables: dict[str, list[int]] = {}
     manager = scheduler.kv_cache_manager
@@ -330,7 +354,7 @@ def _nan_then_next_owner(llm: Any) -> tuple[Any, list[int], Any]:
 
     manager.free = recording_free
     core = llm.llm_engine
-    core.add_request("b", f"{PREFIX} " + words(250, 60), _greedy(4))
+    core.add_request("b", f"{PREFIX} " + words(250, 60), greedy(4))
     b = _run(core)["b"]
     manager.free = free
     b_pages = tables["b"]
@@ -348,7 +372,7 @@ def _nan_then_next_owner(llm: Any) -> tuple[Any, list[int], Any]:
         return [blk, *allocate(num_blocks - 1)]
 
     pool.get_new_blocks = next_owner
-    core.add_request("c", C_PROMPT, _greedy(4))
+    core.add_request("c", C_PROMPT, greedy(4))
     return b, b_pages, _run(core)["c"]
 
 
@@ -357,7 +381,7 @@ C_PROMPT = words(333, 10)
 
 def test_control_nan_left_by_a_reader_poisons_the_next_owner(tiny_model: str) -> None:
     with engine(tiny_model, OFF, num_gpu_blocks_override=64) as llm:
-        clean_c = llm.generate([C_PROMPT], _greedy(4), use_tqdm=False)[0].outputs[0].text
+        clean_c = llm.generate([C_PROMPT], greedy(4), use_tqdm=False)[0].outputs[0].text
         llm.llm_engine.reset_prefix_cache()
         _, _, c = _nan_then_next_owner(llm)
     assert c.outputs[0].text != clean_c
@@ -366,7 +390,7 @@ def test_control_nan_left_by_a_reader_poisons_the_next_owner(tiny_model: str) ->
 def test_a_failed_request_leaves_no_nan_for_the_next_owner(tiny_model: str, tmp_path: Path) -> None:
     log = tmp_path / "guard.jsonl"
     with engine(tiny_model, OFF, num_gpu_blocks_override=64) as llm:
-        clean_c = llm.generate([C_PROMPT], _greedy(4), use_tqdm=False)[0].outputs[0].text
+        clean_c = llm.generate([C_PROMPT], greedy(4), use_tqdm=False)[0].outputs[0].text
     with engine(tiny_model, guard_env("raise", log, **INPROC), num_gpu_blocks_override=64) as llm:
         b, b_pages, c = _nan_then_next_owner(llm)
         left = llm.collective_rpc(nonfinite_pages, args=(b_pages[2:],))[0]
