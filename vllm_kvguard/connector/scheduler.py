@@ -376,8 +376,6 @@ class KVGuardScheduler:
         self.counters.add("corruptions", label="checksum_mismatch")
         if decision.evict:
             self._evict_from_cache(block, holders)
-        if decision.quarantine:
-            self._quarantine(block)
         self.log.event(
             "kv_block_corrupted",
             BlockCorrupted(
@@ -397,6 +395,9 @@ class KVGuardScheduler:
             ),
             level="error",
         )
+        if decision.quarantine:
+            # After the finding's own line: the runbook reads them in this order.
+            self._quarantine(block)
         failed = set()
         for req_id in readers:
             read_unverified = req_id not in hitters and unverified_steps > 0
