@@ -201,51 +201,6 @@ def test_paranoid_verification_heals_the_same_corruption(tiny_model: str, tmp_pa
     assert _affected(log) == {"victim": "healed"}
 
 
-def _finish_on_a_bad_page(llm: Any, pick: Callable[[list[int]], int]) -> tuple[str, Any]:
-    """As above, but the victim asks for 6 tokens: it finishes 3 steps after the scramble."""
-    clean = llm.generate([LONG_PROMPT], greedy(6), use_tqdm=False)[0].outputs[0].text
-    core, scheduler = llm.llm_engine, core_scheduler(llm)
-    core.add_request("victim", LONG_PROMPT, greedy(6))
-    for _ in range(3):
-        core.step()
-    (victim,) = [r.request_id for r in scheduler.running]
-    llm.collective_rpc(scramble, args=(pick(scheduler.kv_cache_manager.get_block_ids(victim)[0][:8]),))
-    return clean, _run(core)["victim"]
-
-
-def test_control_a_page_scrambled_before_the_last_tokens_changes_them(tiny_model: str) -> None:
-    with engine(tiny_model, OFF, num_gpu_blocks_override=64) as llm:
-        clean, out = _finish_on_a_bad_page(llm, lambda blocks: blocks[5])
-    assert out.outputs[0].finish_reason == "length" and out.outputs[0].text != clean
-
-
-def test_a_request_that_finishes_before_its_bad_page_is_caught_is_named_when_it_is(
-    tiny_model: str, tmp_path: Path
-) -> None:
-    """Sampled verification's window: the victim finishes before the rotation reaches the page,
-    so its text leaves unflagged. The next hit of the page catches it, and the guard then names
-    the victim: ``suspect``, late, once, in the log and the metric."""
-    log = tmp_path / "guard.jsonl"
-    with engine(
-        tiny_model, guard_env("quarantine", log, **INPROC, **SAMPLED), num_gpu_blocks_override=64
-    ) as llm:
-        clean, out = _finish_on_a_bad_page(llm, _just_verified(llm))
-        assert events(log, "kv_block_corrupted") == []  # not caught yet: the victim left unflagged
-        assert out.outputs[0].finish_reason == "length" and out.outputs[0].stop_reason is None
-        again = llm.generate([LONG_PROMPT], greedy(6), use_tqdm=False)[0]
-        suspect = metric(llm, "vllm:kvguard_requests_affected", outcome="suspect")
-    (line,) = events(log, "kv_block_corrupted")
-    assert line["trigger"] == "reuse"
-    lines = events(log, "kv_request_affected")
-    late = {r["request_id"].rsplit("-", 1)[0]: r for r in lines if r["late"]}
-    assert list(late) == ["victim"] and late["victim"]["outcome"] == "suspect"
-    assert late["victim"]["block_id"] == line["block_id"]
-    assert suspect == 1
-    # The request that reused the page was verified before it read it: healed.
-    assert [r["outcome"] for r in lines if not r["late"]] == ["healed"]
-    assert again.outputs[0].finish_reason == "length" and again.outputs[0].text == clean
-
-
 # ------------------------------------------------------------ 2. full page taken while read
 
 

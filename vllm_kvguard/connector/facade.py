@@ -298,7 +298,7 @@ class KVGuardConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         if self.active:
-            self.scheduler.request_finished(request.request_id, block_ids)
+            self.scheduler.request_finished(request.request_id)
         return False, None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

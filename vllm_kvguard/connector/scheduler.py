@@ -35,7 +35,6 @@ from vllm_kvguard.core.events import (
 )
 from vllm_kvguard.core.faults import FaultSite, FaultTracker, parse_fault_spec
 from vllm_kvguard.core.ledger import BlockLedger, LifecycleViolation, ScheduledRequest, StepPlan
-from vllm_kvguard.core.readers import FinishedReaders
 from vllm_kvguard.core.scrub import Scrubber
 from vllm_kvguard.errors import KVCacheCorruptionError
 from vllm_kvguard.logs import GuardLog, power_of_two
@@ -137,9 +136,6 @@ class KVGuardScheduler:
         self._running: dict[str, Holder] | None = None
         # Pages of failed requests to zero before anyone is given them (next step).
         self._zero_next: list[int] = []
-        # Recently finished requests and their blocks: named if a page they read is caught later.
-        self.finished = FinishedReaders(config.scrub_interval_s or 300.0)
-        self._history_truncated_logged = False
         # Pages of running requests to verify per step: 0 none, None all.
         self.read_budget: int | None = {
             VerifyPolicy.REUSE: 0,
@@ -411,30 +407,6 @@ class KVGuardScheduler:
             if outcome == policy.FAILED:
                 failed.add(req_id)
         self._zero_after_failure(block, holders, failed)
-        if unverified_steps > 0 or good < 0:
-            self._name_finished_readers(block, good)
-
-    def _name_finished_readers(self, block: int, good: int) -> None:
-        """Requests that finished holding ``block`` after it was last known good: their text has
-        left the engine and may include tokens computed from the page. Flagged now, in the log
-        and the metric (``suspect``, ``late``)."""
-        for req_id in self.finished.take_readers_since(block, good):
-            self.counters.add("requests_affected", label=policy.SUSPECT)
-            self.log.event(
-                "kv_request_affected",
-                RequestAffected(req_id, block, (block,), policy.SUSPECT, late=True),
-                level="error",
-            )
-        if self.finished.truncated and not self._history_truncated_logged:
-            self._history_truncated_logged = True
-            self.log.line(
-                "kvguard_reader_history_truncated",
-                level="warning",
-                reason=(
-                    "more requests finished within VLLM_KVGUARD_SCRUB_INTERVAL than the guard keeps; "
-                    "older finished readers of a bad page cannot be named"
-                ),
-            )
 
     def _handle_nonfinite(self, block: int, detections: list[Detection]) -> None:
         """NaN/Inf in a page just sealed: keep it from spreading, recompute once (policy.on_nonfinite).
@@ -571,8 +543,7 @@ class KVGuardScheduler:
 
     # --------------------------------------------------------------- request lifecycle
 
-    def request_finished(self, req_id: str, block_ids: list[int]) -> None:
-        self.finished.record(req_id, self.ledger.step, time.monotonic(), block_ids)
+    def request_finished(self, req_id: str) -> None:
         self.ledger.release_request(req_id)
         self._nonfinite_recomputes.pop(req_id, None)
         affected = self._affected.pop(req_id, None)

@@ -90,9 +90,6 @@ class RequestAffected:
     block_id: int  # the first bad block
     block_ids: tuple[int, ...]
     outcome: str  # "healed" | "suspect" | "failed" (core/policy.py)
-    # Named after it finished: the page was caught later, and this request had read it since it
-    # was last known good (sampled or reuse verification); always "suspect".
-    late: bool = False
 
 
 @dataclass(frozen=True)
