@@ -203,6 +203,28 @@ def _port(var: str, raw: str) -> int | None:
     return int(text)
 
 
+def _log_file(var: str, raw: str) -> str | None:
+    """A file the guard can append to: checked here, before any engine process starts, so that a
+    typo stops start-up with one line instead of killing the engine core later."""
+    text = raw.strip()
+    if not text:
+        return None
+    path = os.path.abspath(os.path.expanduser(text))
+    folder = os.path.dirname(path)
+    why = ""
+    if os.path.isdir(path):
+        why = f"{path} is a folder"
+    elif os.path.exists(path) and not os.access(path, os.W_OK):
+        why = f"{path} is not writable"
+    elif not os.path.isdir(folder):
+        why = f"the folder {folder} does not exist"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        why = f"the folder {folder} is not writable"
+    if why:
+        raise KVGuardConfigError(var, raw, f"a file path in an existing, writable folder ({why})")
+    return path
+
+
 def _inject(var: str, raw: str) -> str | None:
     from vllm_kvguard.core.faults import parse_fault_spec
 
@@ -226,7 +248,7 @@ _VARIABLES = {
     "_HASH": ("hash", lambda var, raw: _choice(var, raw, HashAlgorithm)),
     "_QUARANTINE_MAX_FRACTION": ("quarantine_max_fraction", _fraction),
     "_LOG_FORMAT": ("log_format", lambda var, raw: _choice(var, raw, LogFormat)),
-    "_LOG_FILE": ("log_file", lambda var, raw: raw.strip() or None),
+    "_LOG_FILE": ("log_file", _log_file),
     "_LOG_LEVEL": ("log_level", _log_level),
     "_INJECT": ("inject", _inject),
     "_METRICS_PORT": ("metrics_port", _port),

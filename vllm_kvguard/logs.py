@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import traceback
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 import structlog
@@ -69,13 +70,27 @@ def _jsonable(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+def _flat(record: Mapping[str, Any], hidden: tuple[str, ...]) -> dict[str, Any]:
+    """A console line's fields: nested settings (``config``, ``details``) spread into plain
+    ``key=value`` pairs, unset ones dropped, so that no Python dict is printed."""
+    shown: dict[str, Any] = {}
+    for key, value in record.items():
+        if key in hidden:
+            continue
+        if isinstance(value, dict):
+            shown.update({k: v for k, v in value.items() if v is not None and k not in hidden})
+        else:
+            shown[key] = value
+    return shown
+
+
 class GuardLog:
     """The guard's logger, with role, rank, engine and model bound as context."""
 
     def __init__(self, config: KVGuardConfig, **context: Any) -> None:
         self._std = logging.getLogger(LOGGER_NAME)
         self._level = _LEVELS[config.log_level]
-        self._context = {"logger": "vllm_kvguard", "pid": os.getpid(), **context}
+        self._context = {"logger": LOGGER_NAME, "pid": os.getpid(), **context}
         self.engine = str(context.get("engine", "0"))
         stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
         self._stamp = stamp
@@ -98,11 +113,17 @@ class GuardLog:
                 traceback=traceback.format_exc(),
             )
 
-    def event(self, name: str, obj: object, level: str = "info", **extra: Any) -> None:
+    def event(
+        self, name: str, obj: object, level: str = "info", *, console_skip: tuple[str, ...] = (), **extra: Any
+    ) -> None:
+        """One event as one line; ``console_skip``: fields left out of console lines only (the
+        JSON line and the log file keep every field)."""
         fields = {k: _jsonable(v) for k, v in dataclasses.asdict(obj).items()}  # type: ignore[call-overload]
-        self.line(name, level, **fields, **extra)
+        self.line(name, level, console_skip=console_skip, **fields, **extra)
 
-    def line(self, name: str, level: str = "info", **fields: Any) -> None:
+    def line(
+        self, name: str, level: str = "info", *, console_skip: tuple[str, ...] = (), **fields: Any
+    ) -> None:
         number = _LEVELS.get(level.upper(), logging.INFO)
         if number < self._level:
             return
@@ -112,5 +133,5 @@ class GuardLog:
         if self._render is self._json:
             self._std.log(number, self._json(None, level, dict(record)))
         else:
-            shown = {k: v for k, v in record.items() if k not in ("logger", "pid", "timestamp", "level")}
-            self._std.log(number, self._render(None, level, shown))
+            hidden = ("logger", "pid", "timestamp", "level", *console_skip)
+            self._std.log(number, self._render(None, level, _flat(record, hidden)))

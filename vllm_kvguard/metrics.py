@@ -105,7 +105,9 @@ SERIES = (
         "verify_seconds",
         "vllm:kvguard_verification_latency_seconds",
         "histogram",
-        "Time one worker spent verifying one step's reused blocks.",
+        "Time one worker spent verifying pages in one step: prefix-cache hits and scrubbed pages before "
+        "the forward, and pages read on the attention path (sampled, paranoid), each observed once per "
+        "step and kind.",
     ),
     Series(
         "faults_injected",

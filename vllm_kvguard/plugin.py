@@ -14,9 +14,11 @@ loads, so a process that builds several engines sees the current settings.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from vllm_kvguard.config import KVGuardConfig, Mode, load_config
+from vllm_kvguard.errors import KVGuardConfigError
 
 CONNECTOR = "KVGuardConnector"
 # The same guard declaring vLLM's SupportsHMA, for engines that run the hybrid KV
@@ -36,6 +38,9 @@ def register() -> None:
         if name not in KVConnectorFactory._registry:
             KVConnectorFactory.register_connector(name, MODULE, name)
 
+    patches.quiet_unknown_variable_warnings()
+    patches.patch_openai_errors()
+    _install_config_error_hook()
     if not patches.patch_engine_config(_add_guard) and load_config().enabled:
         raise RuntimeError(
             "vllm-kvguard: this vLLM has no EngineArgs.create_engine_config, so VLLM_KVGUARD=1 cannot "
@@ -43,14 +48,38 @@ def register() -> None:
         )
 
 
+def _install_config_error_hook() -> None:
+    """A bad ``VLLM_KVGUARD*`` value that nobody catches (``vllm serve``, a script calling
+    ``LLM(...)``) ends the process with one line, not vLLM's start-up traceback. Code that
+    catches :class:`KVGuardConfigError` still gets the exception; any other exception goes to
+    the hook that was there before."""
+    previous = sys.excepthook
+    if getattr(previous, "_kvguard", False):
+        return
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if isinstance(exc, KVGuardConfigError):
+            print(f"vllm-kvguard: {exc} (see `kvguard config` and docs/configuration.md)", file=sys.stderr)
+            return
+        previous(kind, exc, tb)
+
+    hook._kvguard = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 def _add_guard(engine_args: Any) -> None:
     """Add the guard's connector to an engine being configured, when ``VLLM_KVGUARD=1``
     (a bad ``VLLM_KVGUARD*`` value raises here and stops start-up)."""
     config = load_config()
     if config.enabled:
+        hma = _needs_hybrid_manager(engine_args)
         engine_args.kv_transfer_config = compose_kv_transfer_config(
-            engine_args.kv_transfer_config, config, hma=_needs_hybrid_manager(engine_args)
+            engine_args.kv_transfer_config, config, hma=hma
         )
+        if not hma and getattr(engine_args, "disable_hybrid_kv_cache_manager", False) is None:
+            # What vLLM would decide for a connector without SupportsHMA, said explicitly so that
+            # it does not warn about a `--kv-transfer-config` the operator never gave.
+            engine_args.disable_hybrid_kv_cache_manager = True
 
 
 def _needs_hybrid_manager(engine_args: Any) -> bool:

@@ -8,12 +8,8 @@ Debian's ``prometheus`` binary on loopback, loading the shipped alert rules.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
-import sys
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -24,21 +20,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine.harness import events, words
+from tests.engine.servers import free_port, get, serve, wait
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = words(5, 128)  # exactly 4 blocks of 32 one-token words
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 10) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -47,53 +33,11 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(r.read())
 
 
-def _wait(predicate: Any, timeout: float, what: str, proc: subprocess.Popen[bytes] | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"{what}: process exited with {proc.returncode}")
-        try:
-            value = predicate()
-            if value:
-                return value
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    work = tmp_path_factory.mktemp("serve")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_KVGUARD")}
-    env.update(
-        VLLM_KVGUARD="1",
-        VLLM_KVGUARD_INJECT="bitflip:count=1,seed=3",
-        VLLM_KVGUARD_LOG_FILE=str(work / "guard.jsonl"),
-        HF_HUB_OFFLINE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-    )
-    log = (work / "server.log").open("w")
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", tiny_model, "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-            "--block-size", "32", "--max-model-len", "512", "--enforce-eager", "--dtype", "bfloat16",
-        ],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait(lambda: _get(base + "/health") is not None, 300, "the API server", proc)
-        yield {"base": base, "port": port, "log": work / "guard.jsonl", "work": work}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    guard = {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_INJECT": "bitflip:count=1,seed=3"}
+    with serve(tiny_model, tmp_path_factory.mktemp("serve"), guard) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +45,7 @@ def prometheus(server: dict[str, Any]) -> Iterator[str]:
     binary = shutil.which("prometheus")
     assert binary, "prometheus is required (Debian package 'prometheus'; .ci/run installs it)"
     work = server["work"]
-    port = _free_port()
+    port = free_port()
     (work / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         f"rule_files: [{ROOT / 'examples' / 'prometheus' / 'kvguard-alerts.yml'}]\n"
@@ -131,7 +75,7 @@ def _complete(base: str, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
 
 def _samples(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     out = {}
-    for family in text_string_to_metric_families(_get(base + "/metrics")):
+    for family in text_string_to_metric_families(get(base + "/metrics")):
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
@@ -149,7 +93,7 @@ def _value(samples: dict[Any, float], name: str, **labels: str) -> float:
 
 
 def _query(prom: str, expr: str) -> list[dict[str, Any]]:
-    data = json.loads(_get(prom + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})))
+    data = json.loads(get(prom + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})))
     return data["data"]["result"]
 
 
@@ -158,7 +102,7 @@ def test_corruption_moves_metrics_and_fires_the_alert(server: dict[str, Any], pr
     before = _samples(base)
     assert _value(before, "vllm:kvguard_corruptions_detected_total", kind="checksum_mismatch") == 0
     # Prometheus sees the zero before the corruption, so increase() can fire.
-    _wait(
+    wait(
         lambda: _query(prometheus, "vllm:kvguard_corruptions_detected_total"),
         60,
         "Prometheus to scrape the guard's series",
@@ -179,7 +123,7 @@ def test_corruption_moves_metrics_and_fires_the_alert(server: dict[str, Any], pr
     assert corrupted["block_id"] == injected["block_id"]
     assert corrupted["action"] == "quarantined_and_recomputed" and corrupted["model_name"] == "tiny"
 
-    after = _wait(
+    after = wait(
         lambda: (
             (s := _samples(base))
             and _value(s, "vllm:kvguard_corruptions_detected_total", kind="checksum_mismatch") >= 1
@@ -201,13 +145,28 @@ def test_corruption_moves_metrics_and_fires_the_alert(server: dict[str, Any], pr
     assert _value(after, "vllm:kvguard_internal_errors_total") == 0
 
     def firing() -> list[dict[str, Any]]:
-        alerts = json.loads(_get(prometheus + "/api/v1/alerts"))["data"]["alerts"]
+        alerts = json.loads(get(prometheus + "/api/v1/alerts"))["data"]["alerts"]
         return [
             a
             for a in alerts
             if a["labels"]["alertname"] == "KVCacheCorruptionDetected" and a["state"] == "firing"
         ]
 
-    (alert,) = _wait(firing, 90, "KVCacheCorruptionDetected to fire in Prometheus")
+    (alert,) = wait(firing, 90, "KVCacheCorruptionDetected to fire in Prometheus")
     assert alert["labels"]["severity"] == "page"
     assert alert["labels"]["model_name"] == "tiny" and alert["labels"]["engine"] == "0"
+
+
+def test_server_log_has_none_of_the_misleading_start_up_lines(server: dict[str, Any]) -> None:
+    """vLLM's own warnings that read as "your guard setting is ignored" or name a flag the
+    operator never gave are gone; the guard's own start-up lines carry no Python dicts."""
+    text = (server["work"] / "server.log").read_text()
+    assert "kvguard_started" in text  # the log is the server's, with the guard's lines in it
+    assert "Unknown vLLM environment variable detected: VLLM_KVGUARD" not in text
+    assert "Turning off hybrid kv cache manager" not in text
+    started = [line for line in text.splitlines() if "kvguard_started" in line]
+    assert len(started) == 2 and not any("{" in line for line in started), started
+    (scheduler_line,) = [line for line in started if "role=scheduler" in line]
+    assert "mode=quarantine" in scheduler_line and "block_size=32" in scheduler_line
+    (line,) = events(server["log"], "kvguard_started")[:1]
+    assert line["logger"] == "vllm.kvguard"

