@@ -1,7 +1,7 @@
 # The README's commands. `make demo` sets up and runs the fire drill; `make test` runs the tests.
 PY := .venv/bin/python
 
-.PHONY: setup demo test unit lint bench vllm034
+.PHONY: setup demo test unit lint package bench vllm034
 
 setup:
 	bash scripts/setup.sh
@@ -9,8 +9,14 @@ setup:
 demo: setup
 	.venv/bin/kvguard drill
 
-test: setup lint vllm034
+test: setup lint package vllm034
 	$(PY) -m pytest -v
+
+# The sdist and wheel as they would be published (isolated build), checked by twine.
+package: setup
+	rm -rf dist
+	$(PY) -m build --outdir dist . > .venv/build.log 2>&1 || (tail -30 .venv/build.log; exit 1)
+	.venv/bin/twine check --strict dist/*
 
 # vLLM 0.34's Python source for tests/compat (the guard on its scheduler and runner driver).
 vllm034: setup

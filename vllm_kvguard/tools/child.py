@@ -86,7 +86,66 @@ def bench_workload(args: dict[str, Any]) -> None:
     Path(args["out"]).write_text(json.dumps(result))
 
 
-JOBS = {"drill": drill_workload, "bench": bench_workload}
+def doctor_probe(args: dict[str, Any]) -> None:
+    """What ``kvguard doctor`` can only learn inside a process that imports vLLM: the companion
+    packages that must load beside torch, whether vLLM's own plugin loader finds the guard,
+    the platform, and (with a model) the engine configuration vLLM would build from this
+    environment. Each step is tried on its own so that one failure does not hide the others."""
+    out: dict[str, Any] = {"companions": {}}
+    import importlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("torchvision", "torchaudio", "torchcodec"):
+        try:
+            installed = version(name)
+        except PackageNotFoundError:
+            continue
+        try:
+            importlib.import_module(name)
+            out["companions"][name] = {"version": installed, "error": None}
+        except Exception as exc:
+            out["companions"][name] = {"version": installed, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+        out["cuda"] = bool(torch.cuda.is_available())
+    except Exception as exc:
+        out["torch_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    try:
+        import vllm
+        from vllm.plugins import load_general_plugins
+
+        out["vllm"] = vllm.__version__
+        load_general_plugins()
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        out["plugin_loaded"] = "KVGuardConnector" in KVConnectorFactory._registry
+        from vllm.platforms import current_platform
+
+        out["platform"] = str(current_platform.device_type)
+    except Exception as exc:
+        out["vllm_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    if args.get("model") and "vllm_error" not in out:
+        try:
+            from vllm.engine.arg_utils import EngineArgs
+
+            config = EngineArgs(model=args["model"], **args.get("engine_args", {})).create_engine_config()
+            ktc = config.kv_transfer_config
+            out["engine"] = {
+                "block_size": config.cache_config.block_size,
+                "kv_cache_dtype": str(config.cache_config.cache_dtype),
+                "prefix_caching": bool(config.cache_config.enable_prefix_caching),
+                "connector": None if ktc is None else ktc.kv_connector,
+                "guard_in_connector": ktc is not None
+                and "KVGuard" in f"{ktc.kv_connector} {ktc.kv_connector_extra_config}",
+            }
+        except Exception as exc:
+            out["engine_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    Path(args["out"]).write_text(json.dumps(out))
+
+
+JOBS = {"drill": drill_workload, "bench": bench_workload, "doctor": doctor_probe}
 
 if __name__ == "__main__":
     job = json.loads(sys.argv[1])

