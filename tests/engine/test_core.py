@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.harness import engine, events, guard_env, preemptions
+from tests.engine.harness import engine, events, guard_env, preemptions, read_log
 from tests.engine.scenario import greedy, prompts_b, run_clean, seal_prefix_and_corrupt
 from vllm_kvguard import KVCacheCorruptionError, raise_for_corruption
 
@@ -76,6 +76,11 @@ def test_bit_flip_is_detected_quarantined_and_recomputed(quarantine_engine) -> N
     (q,) = events(log, "kv_block_quarantined")
     assert q["block_id"] == bad.block_id and q["pinned"] is True
     assert {a["outcome"] for a in events(log, "kv_request_affected")} == {"healed"}
+    # The finding's line comes first, then what was done about it (the runbook reads them so).
+    order = [
+        e["event"] for e in read_log(log) if e["event"] in ("kv_block_corrupted", "kv_block_quarantined")
+    ]
+    assert order == ["kv_block_corrupted", "kv_block_quarantined"]
 
 
 def test_third_pass_after_quarantine_is_still_correct(quarantine_engine) -> None:

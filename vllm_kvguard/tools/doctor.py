@@ -172,6 +172,17 @@ def probe_rows(probe: dict[str, Any], environ: dict[str, str], config: KVGuardCo
                 f"of {size}; on the last, unfilled page only the lifecycle audit applies",
             )
         )
+        forced = environ.get("VLLM_KV_CACHE_LAYOUT")
+        rows.append(
+            Row(
+                "KV cache layout",
+                OK,
+                (f"VLLM_KV_CACHE_LAYOUT={forced}; " if forced else "")
+                + "vLLM's attention backend picks it when the engine starts; the guard finds each "
+                "page's block dimension in the KV tensors itself (the worker's kvguard_started line "
+                "shows block_dim and bytes_per_block)",
+            )
+        )
         if not engine["prefix_caching"]:
             rows.append(
                 Row("prefix caching", WARN, "off: no page is reused, so only sampled/paranoid reads verify")
