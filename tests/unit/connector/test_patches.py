@@ -1,0 +1,38 @@
+"""The OpenAI-server error path's lookup (connector/patches.py): which request a server-side id
+refers to. The end-to-end behaviour is tested against the real server (test_serve_clients)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_kvguard.connector import patches
+
+
+@pytest.fixture(autouse=True)
+def _empty() -> None:
+    patches._ENDED.clear()
+
+
+def test_completion_prompts_and_chat_sub_requests_are_found_by_the_servers_id() -> None:
+    # A completion's prompts are `<id>-0`, `<id>-1`; a chat with several prompts `<id>_0`, ...
+    patches._remember("cmpl-abc-1", "cmpl-abc-1-deadbeef", "KV-cache corruption: block 3 (layer x)")
+    patches._remember("chatcmpl-q", "chatcmpl-q-0badf00d", "KV-cache corruption: block 4 (layer y)")
+    patches._remember("chatcmpl-r_2", "chatcmpl-r_2-12345678", "KV-cache corruption: block 5 (layer z)")
+    assert patches.ended_by_guard("cmpl-ab") is None  # a prefix of another id is not a match
+    assert patches.ended_by_guard("cmpl-abc") == (
+        "cmpl-abc-1-deadbeef",
+        "KV-cache corruption: block 3 (layer x)",
+    )
+    assert patches.ended_by_guard("cmpl-abc") is None  # taken out once found
+    assert patches.ended_by_guard("chatcmpl-q")[0] == "chatcmpl-q-0badf00d"  # type: ignore[index]
+    assert patches.ended_by_guard("chatcmpl-r")[0] == "chatcmpl-r_2-12345678"  # type: ignore[index]
+    assert patches._ENDED == {}
+
+
+def test_the_table_is_bounded() -> None:
+    for i in range(patches._ENDED_MAX + 10):
+        patches._remember(f"cmpl-{i}", f"cmpl-{i}-x", "m")
+    assert len(patches._ENDED) == patches._ENDED_MAX
+    assert patches.ended_by_guard("cmpl-0") is None and patches.ended_by_guard(
+        f"cmpl-{patches._ENDED_MAX + 9}"
+    )
