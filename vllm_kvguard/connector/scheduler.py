@@ -365,11 +365,18 @@ class KVGuardScheduler:
         for r in hitters:
             holders.setdefault(r, None)
         readers = tuple(sorted(holders))
-        decision = policy.on_corruption(self.config.mode)
         # Known good at this step's seal or verification, read unverified by every forward since.
         good = self.ledger.last_good_step(block, step)
         unverified_steps = max(0, step - 1 - good) if good >= 0 else step
+        repaired = all(d.repaired for d in detections)
+        if repaired:
+            read_unverified = unverified_steps > 0 and any(r not in hitters for r in readers)
+            decision = policy.on_repaired(self.config.mode, read_unverified=read_unverified)
+            self.counters.add("repaired")
+        else:
+            decision = policy.on_corruption(self.config.mode)
         self.counters.add("corruptions", label="checksum_mismatch")
+        self.counters.add("shapes", label=first.shape)
         if decision.evict:
             self._evict_from_cache(block, holders)
         self.log.event(
@@ -388,6 +395,10 @@ class KVGuardScheduler:
                 step=self.ledger.step,
                 trigger=first.trigger,
                 last_good_step=good,
+                shape=first.shape,
+                shapes=tuple(d.shape for d in detections),
+                where=first.where,
+                device=str(first.where.get("device", "")),
             ),
             level="error",
         )
@@ -400,7 +411,7 @@ class KVGuardScheduler:
             outcome = policy.reader_outcome(
                 self.config.mode, self.config.suspect, decision.outcome, read_unverified=read_unverified
             )
-            if outcome == policy.HEALED:
+            if outcome == policy.HEALED and not repaired:
                 self.counters.add("tokens_recomputed", self._tokens_to_recompute(req_id, block))
             message = KVCacheCorruptionError.describe(block, first.layer, outcome, unverified_steps)
             self._affect(req_id, block, outcome, message, end=self.config.mode != Mode.RAISE)
@@ -419,6 +430,7 @@ class KVGuardScheduler:
         again = any(self._nonfinite_recomputes.get(w, 0) >= 1 for w in writers)
         decision = policy.on_nonfinite(self.config.nonfinite_mode, again)
         self.counters.add("corruptions", label="nonfinite")
+        self.counters.add("shapes", label="nonfinite")
         if decision.evict:
             self._evict_from_cache(block, holders)
         if decision.invalidate:
