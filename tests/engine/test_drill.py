@@ -62,7 +62,10 @@ def test_drill_detects_every_fault_kind_that_is_read(tiny_model: str, tmp_path: 
     # Each fault that was caught is diagnosed as the shape its kind makes (a bit flip is
     # single_bit, an overwrite copy_of_block, ...): the drill table's "diagnosed" column.
     for kind, row in report["by_kind"].items():
-        assert row["diagnosed"] == row["detected"], (kind, report["shapes"])
+        assert row["diagnosed"] == row["detected"], (kind, report["faults"])
+    for fault in report["faults"]:
+        if fault["outcome"] == "detected":
+            assert fault["shape"] == fault["expected_shape"], fault
     assert report["by_kind"]["bitflip"]["detected"] == 0 or report["repaired"] >= 1
     assert report["requests_healed"] >= 1 and report["requests_suspect"] == 0
     assert report["silently_wrong"] == 0

@@ -36,6 +36,7 @@ from vllm_kvguard.core.events import (
 from vllm_kvguard.core.faults import FaultSite, FaultTracker, parse_fault_spec
 from vllm_kvguard.core.ledger import BlockLedger, LifecycleViolation, ScheduledRequest, StepPlan
 from vllm_kvguard.core.scrub import Scrubber
+from vllm_kvguard.core.shapes import Shape
 from vllm_kvguard.errors import KVCacheCorruptionError
 from vllm_kvguard.logs import GuardLog, power_of_two
 from vllm_kvguard.metrics import StandaloneExporter
@@ -327,6 +328,19 @@ class KVGuardScheduler:
             self._handle_corruption(block, detections)
         for block, detections in sorted(nonfinite.items()):
             self._handle_nonfinite(block, detections)
+        for d in meta.diagnosed:
+            self.counters.add("shapes", label=d.shape)
+            self.log.line(
+                "kv_block_diagnosed",
+                level="error",
+                block_id=d.block_id,
+                layer=d.layer,
+                rank=d.rank,
+                step=d.step,
+                shape=d.shape,
+                where=d.where,
+                device=str(d.where.get("device", "")),
+            )
         if self.faults is not None:
             for fid in meta.unchanged_faults:
                 self.faults.no_change(fid)
@@ -376,7 +390,9 @@ class KVGuardScheduler:
         else:
             decision = policy.on_corruption(self.config.mode)
         self.counters.add("corruptions", label="checksum_mismatch")
-        self.counters.add("shapes", label=first.shape)
+        if first.shape != Shape.UNDIAGNOSED:
+            # Device-path findings are counted when their diagnosis arrives (kv_block_diagnosed).
+            self.counters.add("shapes", label=first.shape)
         if decision.evict:
             self._evict_from_cache(block, holders)
         self.log.event(

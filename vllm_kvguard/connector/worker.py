@@ -165,17 +165,48 @@ class KVGuardWorker:
         return deferred
 
     def _apply_settled(self, *, wait: bool) -> None:
-        """Forget the seals of pages a settled device check found bad (as _verify does at once)."""
+        """Forget the seals of pages a settled device check found bad (as _verify does at once),
+        after diagnosing them: the device path learns of a bad page after the forward, so its
+        shape is found here, before the next forward rewrites the page, and reported in a
+        ``kv_block_diagnosed`` line of its own."""
         assert self.table is not None
         keep = []
         for deferred in self._unsettled:
             if not (wait or deferred.ready()):
                 keep.append(deferred)
                 continue
+            for d in deferred.settle():
+                if d.kind == "checksum_mismatch":
+                    self._diagnose_late(d)
             bad = deferred.invalid()
             if bad:
                 self.table.forget(sorted(bad))
         self._unsettled = keep
+
+    def _diagnose_late(self, d: Detection) -> None:
+        assert self.pages is not None
+        layer = self.pages.names.index(d.layer)
+        shape = str(Shape.UNDIAGNOSED)
+        where: dict[str, object] = {"device": str(self.pages.tensors[layer].device)}
+        try:
+            # Only the page as it was found: one vLLM already rewrote says nothing.
+            if int(self.pages.digest([d.block_id])[0, layer]) == d.actual:
+                shape, where, _ = self._diagnose(d.block_id, layer, d.expected, d.actual)
+        finally:
+            self._worker_meta().diagnosed.append(
+                Detection(
+                    d.rank,
+                    d.block_id,
+                    d.layer,
+                    d.expected,
+                    d.actual,
+                    (),
+                    d.trigger,
+                    d.step,
+                    shape=shape,
+                    where=where,
+                )
+            )
 
     def _verify_on_device(self, meta: KVGuardMetadata) -> None:
         """The step's hits and scrub pages in one launch, compared on the device, read back
@@ -315,17 +346,16 @@ class KVGuardWorker:
                 )
         return bad
 
-    def _diagnose(self, block: int, layer: int, expected: int, actual: int) -> tuple[str, dict, bool]:
+    def _diagnose(
+        self, block: int, layer: int, expected: int, actual: int
+    ) -> tuple[str, dict[str, object], bool]:
         """The shape of a page that failed its seal (core/shapes.py), where it changed, and
         whether it was mended in place: a one-word change located by the page's syndrome,
-        confirmed against the seal on a host copy first, and repaired (quarantine mode,
-        ``VLLM_KVGUARD_REPAIR``) only if the live page then matches its seal. The rare path:
-        one page copied to the host. Host path only (device checks settle in the scheduler
-        process, where pages cannot be read)."""
+        confirmed against the seal on a host copy first, and repaired (host path, quarantine
+        mode, ``VLLM_KVGUARD_REPAIR``) only if the live page then matches its seal. The rare
+        path: one page copied to the host."""
         assert self.pages is not None and self.table is not None
         device = str(self.pages.tensors[layer].device)
-        if isinstance(self.table, DeviceDigestTable):
-            return str(Shape.UNDIAGNOSED), {"device": device}, False
         pages, table = self.pages, self.table
         page = pages.host_page(block, layer)
         raw = page.view(torch.uint8).reshape(-1).numpy()
@@ -354,7 +384,9 @@ class KVGuardWorker:
                 "flipped_bits": f"{found.flipped:016x}",
                 "bits": [b for b in range(64) if found.flipped >> b & 1],
             }
-            if self.config.mode == Mode.QUARANTINE and self.config.repair:
+            # Device path: diagnosed a step late (the forward has read the page; vLLM recomputes).
+            host_path = not isinstance(table, DeviceDigestTable)
+            if host_path and self.config.mode == Mode.QUARANTINE and self.config.repair:
                 pages.write_word(block, layer, found.word, found.old)
                 repaired = int(pages.digest([block])[0, layer]) == expected
                 if not repaired:  # never leave the page in a third state

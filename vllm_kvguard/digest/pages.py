@@ -21,7 +21,7 @@ import xxhash
 from vllm_kvguard.config import HashAlgorithm
 from vllm_kvguard.digest.dtypes import nonfinite_rows
 from vllm_kvguard.digest.kernel import PageGeometry, kernel_available, kvg64_pages, kvg64_reference
-from vllm_kvguard.digest.syndrome import finish, parities
+from vllm_kvguard.digest.syndrome import finish, parities, syndromes_device
 from vllm_kvguard.digest.syndrome import width as syndrome_width
 
 _ONE_SHOT = {
@@ -219,6 +219,18 @@ class KVPages:
         if finite_layers:
             flags[:, finite_layers] = torch.stack(finite_flags, dim=1).cpu().numpy()
         return flags, syn
+
+    def syndromes_on_device(self, index: torch.Tensor) -> torch.Tensor:
+        """Syndromes of the pages ``index`` (block ids on the pages' device) where they live:
+        (pages, layers, syndrome_words) int64, left on the device (the device path's seals)."""
+        n = index.shape[0]
+        return torch.stack(
+            [
+                syndromes_device(t.index_select(0, index).reshape(n, -1), self.syndrome_words)
+                for t in self.tensors
+            ],
+            dim=1,
+        )
 
     def host_page(self, block_id: int, layer: int) -> torch.Tensor:
         """A host copy of one page, in the page's logical order (the rare path: diagnosis)."""

@@ -23,6 +23,7 @@ the low 6 address bits come from the 64 column parities, the others from the row
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -128,3 +129,45 @@ def page_words(page_bytes: np.ndarray) -> np.ndarray:
     if pad:
         raw = np.concatenate([raw, np.zeros(pad, dtype=np.uint8)])
     return raw.view("<u8")
+
+
+def _xor_reduce(x: Any, dim: int) -> Any:
+    """XOR of ``x`` along ``dim`` by halving (torch has no XOR reduction), keeping the dim."""
+    import torch
+
+    while x.shape[dim] > 1:
+        if x.shape[dim] % 2:
+            pad = list(x.shape)
+            pad[dim] = 1
+            x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+        half = x.shape[dim] // 2
+        x = x.narrow(dim, 0, half) ^ x.narrow(dim, half, half)
+    return x
+
+
+def syndromes_device(pages: Any, words: int) -> Any:
+    """:func:`syndromes` where the pages live (torch; a GPU's pages on the GPU), the first
+    ``words`` of each, int64 (the same bits as the uint64 of :func:`syndromes`). ``pages``:
+    (pages, ...) with each row a page's bytes in logical order."""
+    import torch
+
+    n = pages.shape[0]
+    raw = pages.contiguous().view(torch.uint8).reshape(n, -1)
+    pad = -raw.shape[1] % (8 * _COLS)
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros((n, pad))], dim=1)
+    grid = raw.view(torch.int64).reshape(n, -1, _COLS)
+    cols = _xor_reduce(grid, 1).reshape(n, _COLS)
+    rows = _xor_reduce(grid, 2).reshape(n, -1)
+    high = int(rows.shape[1] - 1).bit_length()
+    if rows.shape[1] != 1 << high:
+        rows = torch.cat([rows, rows.new_zeros((n, (1 << high) - rows.shape[1]))], dim=1)
+    out = [_xor_reduce(cols, 1).reshape(n)]
+    for parts, bits in ((cols, _LOW), (rows, high)):
+        for b in range(bits):
+            picked = parts.reshape(n, -1, 2, 1 << b)[:, :, 1, :].reshape(n, -1)
+            out.append(_xor_reduce(picked, 1).reshape(n))
+    full = torch.stack(out, dim=1)
+    if full.shape[1] < words:
+        full = torch.cat([full, full.new_zeros((n, words - full.shape[1]))], dim=1)
+    return full[:, :words]

@@ -107,6 +107,13 @@ class DeviceDigestTable(DigestTable):
         self.device_digests = torch.zeros(
             (pages.num_blocks, pages.num_layers), dtype=torch.uint64, device=pages.geometry.device
         )
+        # Beside each seal, on the device: the previous generation's digest and the syndrome
+        # (int64 views: torch's uint64 lacks the index ops), read only when a page goes bad.
+        shape = (pages.num_blocks, pages.num_layers)
+        self.device_previous = torch.zeros(shape, dtype=torch.int64, device=pages.geometry.device)
+        self.device_syndromes = torch.zeros(
+            (*shape, pages.syndrome_words), dtype=torch.int64, device=pages.geometry.device
+        )
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         ids = torch.tensor(list(block_ids), dtype=torch.int64)
@@ -122,6 +129,9 @@ class DeviceDigestTable(DigestTable):
         geometry = self.pages.geometry
         assert geometry is not None
         ids = self._ids(block_ids)
+        # In stream order, before the launch overwrites the seals.
+        self.device_previous.index_copy_(0, ids, self.device_digests.view(torch.int64).index_select(0, ids))
+        self.device_syndromes.index_copy_(0, ids, self.pages.syndromes_on_device(ids))
         digests, flags = geometry.launch(
             ids,
             mode=SEAL,
@@ -149,11 +159,27 @@ class DeviceDigestTable(DigestTable):
     def seal(
         self, block_ids: Sequence[int], digests: np.ndarray, syndromes: np.ndarray | None = None
     ) -> None:
-        """Host digests into the table (the synchronous path). Syndromes and previous
-        generations are not kept on the device path: its checks settle in the scheduler
-        process, where pages cannot be read, so it does not diagnose shapes (docs/design.md)."""
+        """Host digests (and syndromes) into the table (the synchronous path)."""
         if len(block_ids):
-            self.device_digests[list(block_ids)] = (
-                torch.from_numpy(digests.view(np.int64)).to(self.device_digests.device).view(torch.uint64)
+            ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=self.device_digests.device)
+            self.device_previous.index_copy_(
+                0, ids, self.device_digests.view(torch.int64).index_select(0, ids)
             )
+            values = torch.from_numpy(digests.view(np.int64)).to(self.device_digests.device)
+            self.device_digests.view(torch.int64).index_copy_(0, ids, values)
+            if syndromes is not None:
+                self.device_syndromes.index_copy_(
+                    0, ids, torch.from_numpy(syndromes.view(np.int64)).to(self.device_digests.device)
+                )
             self.sealed[list(block_ids)] = True
+
+    def seal_record(self, block_id: int, layer: int) -> tuple[int, int, np.ndarray]:
+        digest = int(self.device_digests.view(torch.int64)[block_id, layer].item()) % (1 << 64)
+        previous = int(self.device_previous[block_id, layer].item()) % (1 << 64)
+        return digest, previous, self.device_syndromes[block_id, layer].cpu().numpy().view(np.uint64).copy()
+
+    def sealed_matching(self, layer: int, digest: int, exclude: int) -> int | None:
+        column = self.device_digests.view(torch.int64)[:, layer].cpu().numpy().view(np.uint64)
+        hits = np.flatnonzero((column == np.uint64(digest)) & self.sealed)
+        hits = hits[hits != exclude]
+        return int(hits[0]) if len(hits) else None

@@ -61,6 +61,8 @@ class DrillReport:
     quarantined: int = 0
     repaired: int = 0
     shapes: dict[str, int] = field(default_factory=dict)
+    # Per fault: id, kind, block, outcome, and the shape diagnosed (None: not diagnosed).
+    faults: list[dict[str, Any]] = field(default_factory=list)
     corrupted_blocks: int = 0
     nonfinite_blocks: int = 0
     requests_healed: int = 0
@@ -133,10 +135,15 @@ def summarize(
         elif event == "kv_block_corrupted" and line.get("role") == "scheduler":
             report.corrupted_blocks += 1
             shape = line.get("shape", "undiagnosed")
-            report.shapes[shape] = report.shapes.get(shape, 0) + 1
-            shapes_of.setdefault(line.get("block_id", -1), []).append((_ts(line), shape))
+            if shape != "undiagnosed":  # the device path's shape comes in kv_block_diagnosed
+                report.shapes[shape] = report.shapes.get(shape, 0) + 1
+                shapes_of.setdefault(line.get("block_id", -1), []).append((_ts(line), shape))
             if line.get("action") == "repaired":
                 report.repaired += 1
+        elif event == "kv_block_diagnosed":
+            shape = line.get("shape", "undiagnosed")
+            report.shapes[shape] = report.shapes.get(shape, 0) + 1
+            shapes_of.setdefault(line.get("block_id", -1), []).append((_ts(line), shape))
         elif event == "kv_block_nonfinite":
             report.nonfinite_blocks += 1
             shapes_of.setdefault(line.get("block_id", -1), []).append((_ts(line), "nonfinite"))
@@ -150,6 +157,17 @@ def summarize(
         row = report.by_kind.setdefault(kind, KindRow())
         row.injected += 1
         result, when = outcome.get(fid, ("not_read", 0.0))
+        seen = [shape for t, shape in shapes_of.get(blocks[fid], []) if t >= injected_at[fid]]
+        report.faults.append(
+            {
+                "fault_id": fid,
+                "kind": kind,
+                "block_id": blocks[fid],
+                "outcome": result,
+                "expected_shape": str(EXPECTED[kind]) if kind in EXPECTED else None,
+                "shape": seen[0] if result == "detected" and seen else None,
+            }
+        )
         if result == "no_change":
             row.no_change += 1
         elif result == "not_read":

@@ -37,8 +37,11 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     corrupted = [e for e in events if e["event"] == "kv_block_corrupted" and e.get("role") != "worker"]
     nonfinite = [e for e in events if e["event"] == "kv_block_nonfinite"]
     violations = [e for e in events if e["event"] == "kv_block_lifecycle_violation"]
+    diagnosed = [e for e in events if e["event"] == "kv_block_diagnosed"]
+    # A device-path finding says "undiagnosed" and is diagnosed a step later, in its own line.
+    shaped = [e for e in corrupted if e.get("shape", "undiagnosed") != "undiagnosed"] + diagnosed
     findings = [
-        (e.get("shape", "undiagnosed"), int(e.get("rank", 0)), str(e.get("device", ""))) for e in corrupted
+        (e.get("shape", "undiagnosed"), int(e.get("rank", 0)), str(e.get("device", ""))) for e in shaped
     ]
     findings += [("nonfinite", int((e.get("ranks") or [0])[0]), "") for e in nonfinite]
     diagnosable = [f for f in findings if f[0] != "undiagnosed"]

@@ -101,3 +101,20 @@ def test_unchanged_page_has_nothing_to_locate() -> None:
     page = _bytes(_page(torch.bfloat16, (2, 4, 16, 8), seed=1))
     s = syndromes(page[None])[0]
     assert locate(s, s, page_words(page)) is None
+
+
+def test_device_syndromes_are_the_host_ones_bit_for_bit() -> None:
+    from vllm_kvguard.digest.syndrome import syndromes_device
+
+    for size in (8, 600, 4096, 65536, 70000):
+        pages = torch.randint(0, 256, (3, size), dtype=torch.uint8)
+        kept = width(size)
+        host = syndromes(pages.numpy())[:, :kept]
+        device = syndromes_device(pages, kept).numpy().view(np.uint64)
+        assert (host == device).all(), size
+    bf16 = torch.randn(4, 2, 64, 64).to(torch.bfloat16)
+    kept = width(bf16[0].numel() * 2)
+    assert (
+        syndromes(bf16.reshape(4, -1).view(torch.uint8).numpy())[:, :kept]
+        == syndromes_device(bf16, kept).numpy().view(np.uint64)
+    ).all()
