@@ -78,9 +78,10 @@ def test_single_bit_flip_is_repaired_in_place_with_the_clean_text(tiny_model: st
         assert invalid == []  # nothing reported unreadable: nothing recomputed
         again = [o.outputs[0].text for o in llm.generate(prompts_b(), greedy(16), use_tqdm=False)]
         assert again == clean
-        assert metric(llm, "vllm:kvguard_blocks_repaired_total") == 1
-        assert metric(llm, "vllm:kvguard_corruption_shapes_total", shape="single_bit") == 1
-        assert metric(llm, "vllm:kvguard_tokens_recomputed_total") == 0
+        assert metric(llm, "vllm:kvguard_blocks_repaired") == 1
+        assert metric(llm, "vllm:kvguard_corruption_shapes", shape="single_bit") == 1
+        assert metric(llm, "vllm:kvguard_tokens_recomputed") == 0
+        assert metric(llm, "vllm:kvguard_verifications", trigger="reuse") >= 8  # the name is right
     (line,) = events(log, "kv_block_corrupted")  # found once: the mended page stays verified
     assert line["block_id"] == block and line["action"] == "repaired" and line["shape"] == "single_bit"
     assert line["where"]["word"] == 0 and line["where"]["bits"] == [8 * BYTE + BIT]
