@@ -48,18 +48,22 @@ def classify(
     single_word: bool,
     single_bit: bool,
 ) -> Shape:
-    """The shape of one bad page from what the worker found (whole-page shapes first: they
-    name a cause; a located word only says how little changed)."""
+    """The shape of one bad page from what the worker found. Whole-page shapes first (they name
+    a cause), then a single flipped bit (a bit flip that lands in a float's exponent can make it
+    Inf/NaN: still a bit flip, the memory's signature), then NaN/Inf (bad values written: a NaN
+    stored over one element changes many bits of its word), then the rest."""
     if zeroed:
         return Shape.ZEROED
-    if nonfinite:
-        return Shape.NONFINITE
     if copy_of is not None:
         return Shape.COPY_OF_BLOCK
     if stale:
         return Shape.STALE
+    if single_word and single_bit:
+        return Shape.SINGLE_BIT
+    if nonfinite:
+        return Shape.NONFINITE
     if single_word:
-        return Shape.SINGLE_BIT if single_bit else Shape.SINGLE_WORD
+        return Shape.SINGLE_WORD
     return Shape.MULTI_WORD
 
 

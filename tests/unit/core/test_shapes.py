@@ -12,7 +12,9 @@ def test_whole_page_shapes_come_before_a_located_word() -> None:
     assert _c(single_word=True) == Shape.SINGLE_WORD
     assert _c(single_word=True, single_bit=True) == Shape.SINGLE_BIT
     assert _c(zeroed=True, copy_of=3) == Shape.ZEROED
-    assert _c(nonfinite=True, single_word=True) == Shape.NONFINITE
+    assert _c(nonfinite=True, single_word=True) == Shape.NONFINITE  # a NaN stored over an element
+    assert _c(nonfinite=True, single_word=True, single_bit=True) == Shape.SINGLE_BIT  # a flip into NaN
+    assert _c(zeroed=True, single_word=True, single_bit=True) == Shape.ZEROED
     assert _c(copy_of=3, stale=True) == Shape.COPY_OF_BLOCK
     assert _c(stale=True) == Shape.STALE
 
