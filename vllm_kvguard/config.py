@@ -80,6 +80,7 @@ class KVGuardConfig:
     scrub_budget_bytes: int = 1 << 20
     nonfinite: NonFiniteAction = NonFiniteAction.MODE
     suspect: SuspectAction = SuspectAction.FAIL
+    repair: bool = True
     hash: HashAlgorithm = HashAlgorithm.XXH3_64
     quarantine_max_fraction: float = 0.02
     log_format: LogFormat = LogFormat.AUTO
@@ -245,6 +246,7 @@ _VARIABLES = {
     "_SCRUB_BUDGET": ("scrub_budget_bytes", _bytes),
     "_NONFINITE": ("nonfinite", lambda var, raw: _choice(var, raw, NonFiniteAction)),
     "_SUSPECT": ("suspect", lambda var, raw: _choice(var, raw, SuspectAction)),
+    "_REPAIR": ("repair", _switch),
     "_HASH": ("hash", lambda var, raw: _choice(var, raw, HashAlgorithm)),
     "_QUARANTINE_MAX_FRACTION": ("quarantine_max_fraction", _fraction),
     "_LOG_FORMAT": ("log_format", lambda var, raw: _choice(var, raw, LogFormat)),

@@ -18,6 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from vllm_kvguard.core.counters import GuardCounters
+from vllm_kvguard.core.shapes import SHAPES
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0)
 
@@ -94,6 +95,23 @@ SERIES = (
         "suspect: finished, flagged, its text may include tokens computed from the page).",
         "outcome",
         ("healed", "failed", "suspect"),
+    ),
+    Series(
+        "shapes",
+        "vllm:kvguard_corruption_shapes",
+        "counter",
+        "Corrupted KV blocks by the shape of the change (single_bit, single_word: one 64-bit word, "
+        "located by the page's syndrome; multi_word; zeroed; nonfinite; copy_of_block: equals another "
+        "sealed page; stale: equals this block's previous seal; undiagnosed: device path).",
+        "shape",
+        SHAPES,
+    ),
+    Series(
+        "repaired",
+        "vllm:kvguard_blocks_repaired",
+        "counter",
+        "Corrupted KV blocks mended in place from their syndrome and verified against their seal "
+        "(one-word changes, quarantine mode): nothing recomputed.",
     ),
     Series(
         "tokens_recomputed",

@@ -104,6 +104,12 @@ def test_device_path_is_clean_then_catches_and_heals_a_flip(
     assert line["expected_digest"] != line["actual_digest"]
     assert {a["outcome"] for a in events(log, "kv_request_affected")} == {"healed"}
     assert CLEAN.max_tokens > 0
+    # Found after the forward, so diagnosed by the worker before the next one (never repaired:
+    # the step read it, vLLM recomputes): the device-side syndrome locates the flipped bit.
+    assert line["shape"] == "undiagnosed"
+    (diagnosed,) = events(log, "kv_block_diagnosed")
+    assert diagnosed["block_id"] == bad.block_id and diagnosed["shape"] == "single_bit"
+    assert diagnosed["where"]["word"] == 0 and diagnosed["where"]["bits"] == [14]  # byte 1, bit 6
 
 
 def test_nan_at_seal_is_flagged_by_the_kernel_and_recomputed(tiny_model: str, tmp_path: Path) -> None:

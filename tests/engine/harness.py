@@ -59,6 +59,10 @@ def guard_env(mode: str, log_file: Path, **extra: str) -> dict[str, str]:
         "VLLM_KVGUARD": "1",
         "VLLM_KVGUARD_MODE": mode,
         "VLLM_KVGUARD_LOG_FILE": str(log_file),
+        # These tests corrupt pages with single bit flips to exercise quarantine, recompute and
+        # failure; with repair on (the default) those would be mended in place instead. The
+        # repair tests (test_shapes.py, the drill, the server) run with it on.
+        "VLLM_KVGUARD_REPAIR": "0",
         **extra,
     }
 

@@ -57,7 +57,16 @@ def test_drill_detects_every_fault_kind_that_is_read(tiny_model: str, tmp_path: 
     for line in injected:
         if outcomes.get(line["fault_id"]) == "detected":
             assert line["block_id"] in (nonfinite if line["at"] == "write" else corrupted)
-    assert report["quarantined"] == len(corrupted) == report["corrupted_blocks"]
+    # Quarantined, or (the bit flips: one word) mended in place.
+    assert report["quarantined"] + report["repaired"] == len(corrupted) == report["corrupted_blocks"]
+    # Each fault that was caught is diagnosed as the shape its kind makes (a bit flip is
+    # single_bit, an overwrite copy_of_block, ...): the drill table's "diagnosed" column.
+    for kind, row in report["by_kind"].items():
+        assert row["diagnosed"] == row["detected"], (kind, report["faults"])
+    for fault in report["faults"]:
+        if fault["outcome"] == "detected":
+            assert fault["shape"] == fault["expected_shape"], fault
+    assert report["by_kind"]["bitflip"]["detected"] == 0 or report["repaired"] >= 1
     assert report["requests_healed"] >= 1 and report["requests_suspect"] == 0
     assert report["silently_wrong"] == 0
     assert report["outputs_identical"] == report["requests"] - report["requests_failed"]
@@ -88,7 +97,7 @@ def test_fault_in_a_page_never_read_is_not_read_not_detected(tiny_model: str, tm
     table = proc.stdout
     assert "zero" in table and "PASS" in table
     row = next(line.split() for line in table.splitlines() if line.startswith("zero"))
-    assert row[1:] == ["2", "0", "0", "0", "2", "0"]  # injected, read, detected, escaped, not read, no change
+    assert row[1:] == ["2", "0", "0", "0", "2", "0", "0"]  # injected .. no change, diagnosed
     assert "corrupted blocks detected     0" in table
     assert "outputs identical to clean    8 / 8" in table
 

@@ -112,7 +112,8 @@ def test_corruption_moves_metrics_and_fires_the_alert(server: dict[str, Any], pr
     _complete(base, PREFIX + " w401 w402", max_tokens=4)
     # The drill corrupts one idle sealed page on the next step: one of A's prefix blocks.
     _complete(base, "w1 w2 w3", max_tokens=4)
-    # B reuses the prefix: the page is verified, fails, is quarantined, B recomputes.
+    # B reuses the prefix: the page is verified, fails, the flipped bit is located by the page's
+    # syndrome and mended in place (repair is on by default in quarantine mode), B reads it.
     b = _complete(base, PREFIX + " w403 w404", max_tokens=8)
     assert b["choices"][0]["finish_reason"] == "length"
     clean_again = _complete(base, PREFIX + " w403 w404", max_tokens=8)
@@ -121,7 +122,8 @@ def test_corruption_moves_metrics_and_fires_the_alert(server: dict[str, Any], pr
     (injected,) = events(server["log"], "kv_fault_injected")
     (corrupted,) = events(server["log"], "kv_block_corrupted")
     assert corrupted["block_id"] == injected["block_id"]
-    assert corrupted["action"] == "quarantined_and_recomputed" and corrupted["model_name"] == "tiny"
+    assert corrupted["action"] == "repaired" and corrupted["model_name"] == "tiny"
+    assert corrupted["shape"] == "single_bit" and len(corrupted["where"]["bits"]) == 1
 
     after = wait(
         lambda: (
@@ -134,10 +136,12 @@ def test_corruption_moves_metrics_and_fires_the_alert(server: dict[str, Any], pr
     )
     assert _value(after, "vllm:kvguard_corruptions_detected_total", kind="checksum_mismatch") == 1
     assert _value(after, "vllm:kvguard_faults_injected_total", kind="bitflip") == 1
-    assert _value(after, "vllm:kvguard_blocks_quarantined") == 1
+    assert _value(after, "vllm:kvguard_blocks_quarantined") == 0
+    assert _value(after, "vllm:kvguard_blocks_repaired_total") == 1
+    assert _value(after, "vllm:kvguard_corruption_shapes_total", shape="single_bit") == 1
     assert _value(after, "vllm:kvguard_requests_affected_total", outcome="healed") == 1
     assert _value(after, "vllm:kvguard_requests_affected_total", outcome="failed") == 0
-    assert _value(after, "vllm:kvguard_tokens_recomputed_total") >= 32
+    assert _value(after, "vllm:kvguard_tokens_recomputed_total") == 0
     assert _value(after, "vllm:kvguard_blocks_sealed_total") >= 4
     assert _value(after, "vllm:kvguard_verifications_total", trigger="reuse") >= 4
     assert _value(after, "vllm:kvguard_bytes_hashed_total", op="seal") > 0

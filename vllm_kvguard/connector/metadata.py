@@ -115,6 +115,8 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
 
     verified_steps: set[int] = field(default_factory=set)
     detections: list[Detection] = field(default_factory=list)
+    # Device-path findings of an earlier step, diagnosed since (their shape and where).
+    diagnosed: list[Detection] = field(default_factory=list)
     unchanged_faults: list[int] = field(default_factory=list)
     internal_errors: list[str] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=dict)  # GuardCounters.to_dict()
@@ -150,6 +152,7 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
         return KVGuardWorkerMetadata(
             verified_steps=self.verified_steps | other.verified_steps,
             detections=self.detections + other.detections,
+            diagnosed=self.diagnosed + other.diagnosed,
             unchanged_faults=sorted(set(self.unchanged_faults) | set(other.unchanged_faults)),
             internal_errors=self.internal_errors + other.internal_errors,
             counters=counters.to_dict(),

@@ -36,6 +36,7 @@ from vllm_kvguard.core.events import (
 from vllm_kvguard.core.faults import FaultSite, FaultTracker, parse_fault_spec
 from vllm_kvguard.core.ledger import BlockLedger, LifecycleViolation, ScheduledRequest, StepPlan
 from vllm_kvguard.core.scrub import Scrubber
+from vllm_kvguard.core.shapes import Shape
 from vllm_kvguard.errors import KVCacheCorruptionError
 from vllm_kvguard.logs import GuardLog, power_of_two
 from vllm_kvguard.metrics import StandaloneExporter
@@ -327,6 +328,19 @@ class KVGuardScheduler:
             self._handle_corruption(block, detections)
         for block, detections in sorted(nonfinite.items()):
             self._handle_nonfinite(block, detections)
+        for d in meta.diagnosed:
+            self.counters.add("shapes", label=d.shape)
+            self.log.line(
+                "kv_block_diagnosed",
+                level="error",
+                block_id=d.block_id,
+                layer=d.layer,
+                rank=d.rank,
+                step=d.step,
+                shape=d.shape,
+                where=d.where,
+                device=str(d.where.get("device", "")),
+            )
         if self.faults is not None:
             for fid in meta.unchanged_faults:
                 self.faults.no_change(fid)
@@ -365,11 +379,20 @@ class KVGuardScheduler:
         for r in hitters:
             holders.setdefault(r, None)
         readers = tuple(sorted(holders))
-        decision = policy.on_corruption(self.config.mode)
         # Known good at this step's seal or verification, read unverified by every forward since.
         good = self.ledger.last_good_step(block, step)
         unverified_steps = max(0, step - 1 - good) if good >= 0 else step
+        repaired = all(d.repaired for d in detections)
+        if repaired:
+            read_unverified = unverified_steps > 0 and any(r not in hitters for r in readers)
+            decision = policy.on_repaired(self.config.mode, read_unverified=read_unverified)
+            self.counters.add("repaired")
+        else:
+            decision = policy.on_corruption(self.config.mode)
         self.counters.add("corruptions", label="checksum_mismatch")
+        if first.shape != Shape.UNDIAGNOSED:
+            # Device-path findings are counted when their diagnosis arrives (kv_block_diagnosed).
+            self.counters.add("shapes", label=first.shape)
         if decision.evict:
             self._evict_from_cache(block, holders)
         self.log.event(
@@ -388,6 +411,10 @@ class KVGuardScheduler:
                 step=self.ledger.step,
                 trigger=first.trigger,
                 last_good_step=good,
+                shape=first.shape,
+                shapes=tuple(d.shape for d in detections),
+                where=first.where,
+                device=str(first.where.get("device", "")),
             ),
             level="error",
         )
@@ -400,7 +427,7 @@ class KVGuardScheduler:
             outcome = policy.reader_outcome(
                 self.config.mode, self.config.suspect, decision.outcome, read_unverified=read_unverified
             )
-            if outcome == policy.HEALED:
+            if outcome == policy.HEALED and not repaired:
                 self.counters.add("tokens_recomputed", self._tokens_to_recompute(req_id, block))
             message = KVCacheCorruptionError.describe(block, first.layer, outcome, unverified_steps)
             self._affect(req_id, block, outcome, message, end=self.config.mode != Mode.RAISE)
@@ -419,6 +446,7 @@ class KVGuardScheduler:
         again = any(self._nonfinite_recomputes.get(w, 0) >= 1 for w in writers)
         decision = policy.on_nonfinite(self.config.nonfinite_mode, again)
         self.counters.add("corruptions", label="nonfinite")
+        self.counters.add("shapes", label="nonfinite")
         if decision.evict:
             self._evict_from_cache(block, holders)
         if decision.invalidate:

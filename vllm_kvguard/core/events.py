@@ -12,6 +12,7 @@ class Action(StrEnum):
     LOGGED = "logged"
     RECOMPUTED = "recomputed"  # readers recompute; the block is not held out
     EVICTED = "evicted"  # out of the prefix cache, nothing recomputed (retry limit)
+    REPAIRED = "repaired"  # mended in place from the syndrome, verified against the seal
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class Detection:
     trigger: str = "reuse"  # reuse | sampled | paranoid | scrub | seal
     step: int = 0
     kind: str = "checksum_mismatch"  # or "nonfinite": NaN/Inf in a page being sealed
+    shape: str = "undiagnosed"  # core.shapes.Shape
+    # Where a located word is (word, element, flipped_bits), or the copy's source_block.
+    where: dict[str, object] = field(default_factory=dict)
+    repaired: bool = False  # mended in place before any forward read it (and verified)
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,10 @@ class BlockCorrupted:
     # The step of the page's last seal or verification before it was found bad (-1: none
     # known): every forward of a holder after it and before ``step`` read the page unverified.
     last_good_step: int = -1
+    shape: str = "undiagnosed"  # of the first bad layer (core.shapes.Shape); per layer in ``shapes``
+    shapes: tuple[str, ...] = ()
+    where: dict[str, object] = field(default_factory=dict)
+    device: str = ""
 
 
 @dataclass(frozen=True)

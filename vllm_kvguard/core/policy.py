@@ -72,6 +72,20 @@ class Decision:
     subject: str | None = None
 
 
+def on_repaired(mode: Mode, *, read_unverified: bool = False) -> Decision:
+    """A sealed page changed in one 64-bit word, and the worker mended it from its syndrome
+    before this step's forward read it (quarantine mode, ``VLLM_KVGUARD_REPAIR`` on), the
+    digest confirming the mended page is the sealed one: nothing to recompute, nothing to
+    hold out. ``read_unverified``: requests read the page unverified before it was caught;
+    what they computed from it is evicted and they fail or are flagged (reader_outcome)."""
+    assert mode == Mode.QUARANTINE, "the worker repairs in quarantine mode only"
+    if read_unverified:
+        # The mended page is right again, but what its earlier readers computed from it is
+        # not: out of the prefix cache with their pages, and held out, as on_corruption does.
+        return Decision(Action.REPAIRED, HEALED, evict=True, quarantine=True)
+    return Decision(Action.REPAIRED, HEALED)
+
+
 def on_corruption(mode: Mode) -> Decision:
     """A sealed page no longer matches its seal.
 

@@ -20,7 +20,9 @@ import xxhash
 
 from vllm_kvguard.config import HashAlgorithm
 from vllm_kvguard.digest.dtypes import nonfinite_rows
-from vllm_kvguard.digest.kernel import PageGeometry, kernel_available, kvg64_pages
+from vllm_kvguard.digest.kernel import PageGeometry, kernel_available, kvg64_pages, kvg64_reference
+from vllm_kvguard.digest.syndrome import finish, parities, syndromes_device
+from vllm_kvguard.digest.syndrome import width as syndrome_width
 
 _ONE_SHOT = {
     HashAlgorithm.XXH3_64: xxhash.xxh3_64_intdigest,
@@ -116,6 +118,8 @@ class KVPages:
         self._base = [t.storage_offset() * e for t, e in zip(self.tensors, elsize, strict=True)]
         self._stride = [t.stride(0) * e for t, e in zip(self.tensors, elsize, strict=True)]
         self.page_bytes = [sum(n for _, n in r) for r in self._runs]
+        # Syndrome words kept per page (digest/syndrome.py): enough to address the largest page.
+        self.syndrome_words = max(syndrome_width(n) for n in self.page_bytes)
         # Every layer in one launch, seals and comparisons on the device, results read
         # later (DeviceDigestTable): when the layers share one page geometry, as the
         # layers of one vLLM KV cache group do.
@@ -185,6 +189,77 @@ class KVPages:
                 state.update(view[start + off : start + off + n])
             digests.append(state.intdigest())
         return digests
+
+    def seal_facts(self, block_ids: Sequence[int], *, check_finite: bool) -> tuple[np.ndarray, np.ndarray]:
+        """What sealing records besides the digest, from one gather per layer of the pages being
+        sealed: which hold NaN/Inf (``check_finite``; else all False), shape (pages, layers), and
+        their syndromes (:mod:`.syndrome`), shape (pages, layers, syndrome_words) uint64."""
+        n = len(block_ids)
+        flags = np.zeros((n, self.num_layers), dtype=bool)
+        syn = np.zeros((n, self.num_layers, self.syndrome_words), dtype=np.uint64)
+        if not n:
+            return flags, syn
+        index = torch.as_tensor(list(block_ids), device=self.tensors[0].device)
+        finite_layers, finite_flags, cols, rows = [], [], [], []
+        for i, tensor in enumerate(self.tensors):
+            gathered = tensor.index_select(0, index).reshape(n, -1)
+            if check_finite and tensor.is_floating_point():
+                finite_layers.append(i)
+                finite_flags.append(nonfinite_rows(gathered))
+            c, r = parities(gathered.cpu().view(torch.uint8).numpy())
+            cols.append(c)
+            rows.append(r)
+        if len({r.shape[1] for r in rows}) == 1:
+            # Every layer's pages finished in one go: (layers x pages) rows.
+            done = finish(np.concatenate(cols), np.concatenate(rows))[:, : self.syndrome_words]
+            syn[:] = done.reshape(self.num_layers, n, -1).swapaxes(0, 1)
+        else:
+            for i, (c, r) in enumerate(zip(cols, rows, strict=True)):
+                syn[:, i] = finish(c, r)[:, : self.syndrome_words]
+        if finite_layers:
+            flags[:, finite_layers] = torch.stack(finite_flags, dim=1).cpu().numpy()
+        return flags, syn
+
+    def syndromes_on_device(self, index: torch.Tensor) -> torch.Tensor:
+        """Syndromes of the pages ``index`` (block ids on the pages' device) where they live:
+        (pages, layers, syndrome_words) int64, left on the device (the device path's seals)."""
+        n = index.shape[0]
+        return torch.stack(
+            [
+                syndromes_device(t.index_select(0, index).reshape(n, -1), self.syndrome_words)
+                for t in self.tensors
+            ],
+            dim=1,
+        )
+
+    def host_page(self, block_id: int, layer: int) -> torch.Tensor:
+        """A host copy of one page, in the page's logical order (the rare path: diagnosis)."""
+        # A copy even on the host (contiguous().cpu() would return the live page itself).
+        return self.tensors[layer][block_id].to("cpu", copy=True).contiguous()
+
+    def digest_of(self, layer: int, page: torch.Tensor) -> int:
+        """The digest this layer's page would have if it held ``page`` (a host tensor in logical
+        order): laid out as the page is in memory, hashed over its runs, with this table's
+        algorithm (KVG64 on the device path)."""
+        live = self.tensors[layer][0]
+        span = 1 + sum((size - 1) * stride for size, stride in zip(live.shape, live.stride(), strict=True))
+        buffer = torch.zeros(span, dtype=page.dtype)
+        torch.as_strided(buffer, live.shape, live.stride()).copy_(page.reshape(live.shape))
+        raw = buffer.view(torch.uint8).numpy()
+        data = b"".join(raw[off : off + n].tobytes() for off, n in self._runs[layer])
+        if self.use_kernel:
+            return int(kvg64_reference([data])[0])
+        return int(self._hash(data))
+
+    def write_word(self, block_id: int, layer: int, word: int, value: int) -> None:
+        """Write one 64-bit word (the page's bytes in logical order) into the live page."""
+        live = self.tensors[layer][block_id]
+        size = live.element_size()
+        first = 8 * word // size
+        values = np.frombuffer(value.to_bytes(8, "little"), dtype=np.uint8)
+        elements = torch.from_numpy(values.copy()).view(live.dtype)
+        for k in range(min(len(elements), live.numel() - first)):
+            live[tuple(int(i) for i in np.unravel_index(first + k, tuple(live.shape)))] = elements[k]
 
     def nonfinite(self, block_ids: Sequence[int]) -> np.ndarray:
         """Which pages hold NaN or Inf, shape (len(block_ids), num_layers), bool.

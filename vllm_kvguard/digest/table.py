@@ -14,6 +14,7 @@ import torch
 from vllm_kvguard.digest.checks import PendingCheck
 from vllm_kvguard.digest.kernel import SEAL, VERIFY
 from vllm_kvguard.digest.pages import KVPages
+from vllm_kvguard.digest.syndrome import SYNDROME_WORDS
 
 
 @dataclass(frozen=True)
@@ -27,16 +28,40 @@ class PageMismatch:
 
 
 class DigestTable:
-    """Sealed digests by block: a dense (blocks x layers) table plus a sealed mask."""
+    """Sealed digests by block: a dense (blocks x layers) table plus a sealed mask, each seal's
+    syndrome (:mod:`.syndrome`: where a one-word change is), and the digest of the block's
+    previous seal (a page that reverts to it lost a write)."""
 
-    def __init__(self, num_blocks: int, num_layers: int) -> None:
+    def __init__(self, num_blocks: int, num_layers: int, syndrome_words: int = SYNDROME_WORDS) -> None:
         self.digests = np.zeros((num_blocks, num_layers), dtype=np.uint64)
+        self.previous = np.zeros((num_blocks, num_layers), dtype=np.uint64)
+        self.syndromes = np.zeros((num_blocks, num_layers, syndrome_words), dtype=np.uint64)
         self.sealed = np.zeros(num_blocks, dtype=bool)
 
-    def seal(self, block_ids: Sequence[int], digests: np.ndarray) -> None:
+    def seal(
+        self, block_ids: Sequence[int], digests: np.ndarray, syndromes: np.ndarray | None = None
+    ) -> None:
         if len(block_ids):
+            self.previous[block_ids] = self.digests[block_ids]
             self.digests[block_ids] = digests
+            if syndromes is not None:
+                self.syndromes[block_ids] = syndromes
             self.sealed[block_ids] = True
+
+    def seal_record(self, block_id: int, layer: int) -> tuple[int, int, np.ndarray]:
+        """(digest, previous digest, syndrome) of one page's seal, on the host (the rare path)."""
+        return (
+            int(self.digests[block_id, layer]),
+            int(self.previous[block_id, layer]),
+            self.syndromes[block_id, layer].copy(),
+        )
+
+    def sealed_matching(self, layer: int, digest: int, exclude: int) -> int | None:
+        """Another sealed block whose page in ``layer`` has this digest (a misdirected copy's
+        source), or None."""
+        hits = np.flatnonzero((self.digests[:, layer] == np.uint64(digest)) & self.sealed)
+        hits = hits[hits != exclude]
+        return int(hits[0]) if len(hits) else None
 
     def forget(self, block_ids: Sequence[int]) -> None:
         if len(block_ids):
@@ -82,6 +107,13 @@ class DeviceDigestTable(DigestTable):
         self.device_digests = torch.zeros(
             (pages.num_blocks, pages.num_layers), dtype=torch.uint64, device=pages.geometry.device
         )
+        # Beside each seal, on the device: the previous generation's digest and the syndrome
+        # (int64 views: torch's uint64 lacks the index ops), read only when a page goes bad.
+        shape = (pages.num_blocks, pages.num_layers)
+        self.device_previous = torch.zeros(shape, dtype=torch.int64, device=pages.geometry.device)
+        self.device_syndromes = torch.zeros(
+            (*shape, pages.syndrome_words), dtype=torch.int64, device=pages.geometry.device
+        )
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         ids = torch.tensor(list(block_ids), dtype=torch.int64)
@@ -96,8 +128,12 @@ class DeviceDigestTable(DigestTable):
             return None
         geometry = self.pages.geometry
         assert geometry is not None
+        ids = self._ids(block_ids)
+        # In stream order, before the launch overwrites the seals.
+        self.device_previous.index_copy_(0, ids, self.device_digests.view(torch.int64).index_select(0, ids))
+        self.device_syndromes.index_copy_(0, ids, self.pages.syndromes_on_device(ids))
         digests, flags = geometry.launch(
-            self._ids(block_ids),
+            ids,
             mode=SEAL,
             table=self.device_digests,
             check_finite=check_finite,
@@ -120,10 +156,30 @@ class DeviceDigestTable(DigestTable):
         ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=self.device_digests.device)
         return self.device_digests.index_select(0, ids).cpu().view(torch.int64).numpy().view(np.uint64)
 
-    def seal(self, block_ids: Sequence[int], digests: np.ndarray) -> None:
-        """Host digests into the table (the synchronous path)."""
+    def seal(
+        self, block_ids: Sequence[int], digests: np.ndarray, syndromes: np.ndarray | None = None
+    ) -> None:
+        """Host digests (and syndromes) into the table (the synchronous path)."""
         if len(block_ids):
-            self.device_digests[list(block_ids)] = (
-                torch.from_numpy(digests.view(np.int64)).to(self.device_digests.device).view(torch.uint64)
+            ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=self.device_digests.device)
+            self.device_previous.index_copy_(
+                0, ids, self.device_digests.view(torch.int64).index_select(0, ids)
             )
+            values = torch.from_numpy(digests.view(np.int64)).to(self.device_digests.device)
+            self.device_digests.view(torch.int64).index_copy_(0, ids, values)
+            if syndromes is not None:
+                self.device_syndromes.index_copy_(
+                    0, ids, torch.from_numpy(syndromes.view(np.int64)).to(self.device_digests.device)
+                )
             self.sealed[list(block_ids)] = True
+
+    def seal_record(self, block_id: int, layer: int) -> tuple[int, int, np.ndarray]:
+        digest = int(self.device_digests.view(torch.int64)[block_id, layer].item()) % (1 << 64)
+        previous = int(self.device_previous[block_id, layer].item()) % (1 << 64)
+        return digest, previous, self.device_syndromes[block_id, layer].cpu().numpy().view(np.uint64).copy()
+
+    def sealed_matching(self, layer: int, digest: int, exclude: int) -> int | None:
+        column = self.device_digests.view(torch.int64)[:, layer].cpu().numpy().view(np.uint64)
+        hits = np.flatnonzero((column == np.uint64(digest)) & self.sealed)
+        hits = hits[hits != exclude]
+        return int(hits[0]) if len(hits) else None

@@ -73,6 +73,14 @@ def parser() -> argparse.ArgumentParser:
         "--block-size", type=_positive("--block-size"), help="the --block-size you serve with"
     )
     doctor.add_argument("--json", action="store_true", help="print the rows as JSON")
+    report = sub.add_parser(
+        "report",
+        help="summarise a guard log: corruptions by shape, rank, device, layer, hour, and a diagnosis",
+        description="Reads a JSON-lines guard log (VLLM_KVGUARD_LOG_FILE, or a vLLM log with JSON guard "
+        "lines) and says what the corruptions point at: failing memory or software, and the runbook section.",
+    )
+    report.add_argument("logfile", type=Path, help="the log file")
+    report.add_argument("--json", action="store_true", help="print the summary as JSON")
     model = sub.add_parser(
         "model",
         help="build the tiny random-weight model (offline) for trying the guard on a server",
@@ -152,6 +160,18 @@ def main(argv: list[str] | None = None) -> int:
             "try it: VLLM_KVGUARD=1 VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server "
             f"--model {path} --served-model-name tiny --max-model-len 512"
         )
+        return 0
+    if args.command == "report":
+        from vllm_kvguard.tools import report as reporting
+
+        if not args.logfile.is_file():
+            print(
+                f"kvguard report: {args.logfile} is not a file: expected a guard log (JSON lines)",
+                file=sys.stderr,
+            )
+            return 2
+        summary = reporting.summarize(reporting.read_events(args.logfile))
+        print(json.dumps(summary, indent=2) if args.json else reporting.render(summary))
         return 0
     if args.command == "doctor":
         from vllm_kvguard.tools import doctor

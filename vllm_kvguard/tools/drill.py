@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from vllm_kvguard.config import Mode
 from vllm_kvguard.core.faults import parse_fault_spec
+from vllm_kvguard.core.shapes import EXPECTED
 from vllm_kvguard.tools.childrun import Progress, WorkFolder, check_model, engine_env, prepare, run_child
 from vllm_kvguard.tools.workload import Workload
 
@@ -46,6 +47,9 @@ class KindRow:
     escaped: int = 0
     not_read: int = 0
     no_change: int = 0
+    # Detected faults whose diagnosed shape (kv_block_corrupted's ``shape``) is the one the
+    # injected kind makes (core.shapes.EXPECTED): a memory bit flip is single_bit, ...
+    diagnosed: int = 0
 
 
 @dataclass
@@ -55,6 +59,10 @@ class DrillReport:
     requests: int
     by_kind: dict[str, KindRow] = field(default_factory=dict)
     quarantined: int = 0
+    repaired: int = 0
+    shapes: dict[str, int] = field(default_factory=dict)
+    # Per fault: id, kind, block, outcome, and the shape diagnosed (None: not diagnosed).
+    faults: list[dict[str, Any]] = field(default_factory=list)
     corrupted_blocks: int = 0
     nonfinite_blocks: int = 0
     requests_healed: int = 0
@@ -113,17 +121,32 @@ def summarize(
     injected_at: dict[int, float] = {}
     outcome: dict[int, tuple[str, float]] = {}
     affected: Counter[str] = Counter()
+    blocks: dict[int, int] = {}
+    # Each block's diagnosed shapes, in log order (a block may go bad more than once).
+    shapes_of: dict[int, list[tuple[float, str]]] = {}
     for line in log_lines:
         event = line.get("event")
         if event == "kv_fault_injected":
             kinds[line["fault_id"]] = row_key(line["kind"], line.get("at", "rest"))
             injected_at[line["fault_id"]] = _ts(line)
+            blocks[line["fault_id"]] = line.get("block_id", -1)
         elif event == "kv_fault_outcome":
             outcome.setdefault(line["fault_id"], (line["outcome"], _ts(line)))
         elif event == "kv_block_corrupted" and line.get("role") == "scheduler":
             report.corrupted_blocks += 1
+            shape = line.get("shape", "undiagnosed")
+            if shape != "undiagnosed":  # the device path's shape comes in kv_block_diagnosed
+                report.shapes[shape] = report.shapes.get(shape, 0) + 1
+                shapes_of.setdefault(line.get("block_id", -1), []).append((_ts(line), shape))
+            if line.get("action") == "repaired":
+                report.repaired += 1
+        elif event == "kv_block_diagnosed":
+            shape = line.get("shape", "undiagnosed")
+            report.shapes[shape] = report.shapes.get(shape, 0) + 1
+            shapes_of.setdefault(line.get("block_id", -1), []).append((_ts(line), shape))
         elif event == "kv_block_nonfinite":
             report.nonfinite_blocks += 1
+            shapes_of.setdefault(line.get("block_id", -1), []).append((_ts(line), "nonfinite"))
         elif event == "kv_block_quarantined" and line.get("pinned"):
             report.quarantined += 1
         elif event == "kv_request_affected":
@@ -134,6 +157,17 @@ def summarize(
         row = report.by_kind.setdefault(kind, KindRow())
         row.injected += 1
         result, when = outcome.get(fid, ("not_read", 0.0))
+        seen = [shape for t, shape in shapes_of.get(blocks[fid], []) if t >= injected_at[fid]]
+        report.faults.append(
+            {
+                "fault_id": fid,
+                "kind": kind,
+                "block_id": blocks[fid],
+                "outcome": result,
+                "expected_shape": str(EXPECTED[kind]) if kind in EXPECTED else None,
+                "shape": seen[0] if result == "detected" and seen else None,
+            }
+        )
         if result == "no_change":
             row.no_change += 1
         elif result == "not_read":
@@ -143,6 +177,9 @@ def summarize(
             if result == "detected":
                 row.detected += 1
                 report.detection_ms.append(round((when - injected_at[fid]) * 1000.0, 1))
+                found = [shape for t, shape in shapes_of.get(blocks[fid], []) if t >= injected_at[fid]]
+                if found and found[0] == EXPECTED.get(kind):
+                    row.diagnosed += 1
             else:
                 row.escaped += 1
     report.requests_healed = affected["healed"]
@@ -158,7 +195,7 @@ def summarize(
 
 def render(report: DrillReport) -> str:
     rows: list[tuple[str, ...]] = [
-        ("fault kind", "injected", "read", "detected", "escaped", "not read", "no change")
+        ("fault kind", "injected", "read", "detected", "escaped", "not read", "no change", "diagnosed")
     ]
     for kind, row in sorted(report.by_kind.items()):
         rows.append((kind, *map(str, asdict(row).values())))
@@ -179,6 +216,9 @@ def render(report: DrillReport) -> str:
         f"corrupted blocks detected     {report.corrupted_blocks}",
         f"non-finite pages at write     {report.nonfinite_blocks}",
         f"blocks quarantined            {report.quarantined}",
+        f"blocks repaired in place      {report.repaired}",
+        "shapes diagnosed              "
+        + (", ".join(f"{k} {v}" for k, v in sorted(report.shapes.items())) or "-"),
         f"healed / failed / suspect     "
         f"{report.requests_healed} / {report.requests_failed} / {report.requests_suspect}",
         f"outputs identical to clean    {report.outputs_identical} / {report.requests}",

@@ -41,7 +41,7 @@ def _step(worker: KVGuardWorker, meta: KVGuardMetadata) -> tuple[set[int], objec
 
 
 def test_sealed_page_that_changed_is_reported_on_reuse() -> None:
-    worker, kv = _worker()
+    worker, kv = _worker(VLLM_KVGUARD_REPAIR="0")
     bad, _ = _step(worker, KVGuardMetadata(StepPlan(1, seal=[2, 3])))
     assert bad == set() and worker.table is not None and worker.table.sealed[[2, 3]].all()
     kv[3].view(torch.uint8).view(-1)[17] ^= 0x10
@@ -54,7 +54,7 @@ def test_sealed_page_that_changed_is_reported_on_reuse() -> None:
 
 
 def test_read_verification_covers_pages_running_requests_read() -> None:
-    worker, kv = _worker(VLLM_KVGUARD_VERIFY="paranoid")
+    worker, kv = _worker(VLLM_KVGUARD_VERIFY="paranoid", VLLM_KVGUARD_REPAIR="0")
     _step(worker, KVGuardMetadata(StepPlan(1, seal=[1, 4])))
     kv[4, 1, 5, 7] = -kv[4, 1, 5, 7] - 1
     meta = KVGuardMetadata(StepPlan(2, read_verify=[1, 4]), read_trigger="paranoid")
@@ -95,3 +95,69 @@ def test_internal_error_is_forwarded_to_the_scheduler_and_logged(caplog: pytest.
     out = worker.build_connector_worker_meta()
     assert out is not None and out.internal_errors == ["wait_for_save: RuntimeError('boom')"]
     assert "kvguard_internal_error" in caplog.text
+
+
+def test_single_bit_flip_is_located_and_repaired_before_the_read() -> None:
+    worker, kv = _worker()
+    _step(worker, KVGuardMetadata(StepPlan(1, seal=[2, 3])))
+    clean = kv[3].clone()
+    kv[3].view(torch.uint8).view(-1)[17] ^= 0x10  # byte 17: word 2, bit 1 * 8 + 4
+    bad, out = _step(worker, KVGuardMetadata(StepPlan(2, verify=[2, 3], readers={3: ["req-b"]})))
+    assert bad == set()  # nothing to recompute: the page is mended
+    [d] = out.detections  # type: ignore[attr-defined]
+    assert (d.shape, d.repaired) == ("single_bit", True)
+    assert d.where["word"] == 2 and d.where["bits"] == [12] and d.where["flipped_bits"] == f"{1 << 12:016x}"
+    assert d.where["element"] == [0, 0, 8]  # bf16: byte 17 is element 8 of row 0 of head 0
+    assert torch.equal(kv[3].view(torch.int16), clean.view(torch.int16))
+    assert worker.table is not None and worker.table.sealed[3]  # still sealed, still right
+    bad, out = _step(worker, KVGuardMetadata(StepPlan(3, verify=[3])))
+    assert bad == set() and (out is None or not out.detections)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("mode", ["raise", "log"])
+def test_no_repair_outside_quarantine_mode(mode: str) -> None:
+    worker, kv = _worker(VLLM_KVGUARD_MODE=mode)
+    _step(worker, KVGuardMetadata(StepPlan(1, seal=[3])))
+    kv[3].view(torch.uint8).view(-1)[100] ^= 0x01
+    bad, out = _step(worker, KVGuardMetadata(StepPlan(2, verify=[3])))
+    [d] = out.detections  # type: ignore[attr-defined]
+    assert (d.shape, d.repaired) == ("single_bit", False) and d.where["word"] == 12
+    assert bad == (set() if mode == "log" else {3})
+
+
+def _seal_and(worker_kv: tuple[KVGuardWorker, torch.Tensor], change) -> object:
+    worker, kv = worker_kv
+    _step(worker, KVGuardMetadata(StepPlan(1, seal=[1, 2, 3])))
+    change(kv)
+    _, out = _step(worker, KVGuardMetadata(StepPlan(2, verify=[3])))
+    [d] = out.detections  # type: ignore[attr-defined]
+    return d
+
+
+def test_shapes_of_whole_page_changes() -> None:
+    def words(kv: torch.Tensor) -> None:
+        kv[3].view(torch.uint8).view(-1)[[5, 300, 4000]] ^= 0x04
+
+    d = _seal_and(_worker(), words)
+    assert (d.shape, d.repaired) == ("multi_word", False)  # type: ignore[attr-defined]
+    d = _seal_and(_worker(), lambda kv: kv[3].zero_())
+    assert d.shape == "zeroed"  # type: ignore[attr-defined]
+    d = _seal_and(_worker(), lambda kv: kv[3].copy_(kv[1]))
+    assert d.shape == "copy_of_block" and d.where["source_block"] == 1  # type: ignore[attr-defined]
+    d = _seal_and(_worker(), lambda kv: kv[3].view(-1).__setitem__(9, float("nan")))
+    assert d.shape == "nonfinite"  # type: ignore[attr-defined]
+
+
+def test_a_page_that_reverts_to_its_previous_seal_is_stale() -> None:
+    worker, kv = _worker()
+    _step(worker, KVGuardMetadata(StepPlan(1, seal=[3])))
+    old = kv[3].clone()
+    # The block is freed and written again by its next owner, then sealed...
+    _step(worker, KVGuardMetadata(StepPlan(2, forget=[3])))
+    kv[3] = torch.randn_like(kv[3].float()).to(kv.dtype)
+    _step(worker, KVGuardMetadata(StepPlan(3, seal=[3])))
+    # ...and a lost write (a stale copy landing late) puts the old generation back.
+    kv[3] = old
+    _, out = _step(worker, KVGuardMetadata(StepPlan(4, verify=[3])))
+    [d] = out.detections  # type: ignore[attr-defined]
+    assert d.shape == "stale"

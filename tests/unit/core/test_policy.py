@@ -142,3 +142,13 @@ def test_quarantine_limit_and_pinning() -> None:
     assert policy.quarantine_limit(0.0001, 1000) == 1  # at least one block
     assert policy.quarantine_limit(0.0, 1000) == 0  # 0 turns pinning off
     assert policy.pins(10, 10) and not policy.pins(11, 10) and not policy.pins(1, 0)
+
+
+def test_repaired_page_needs_no_recompute_unless_it_was_read_unverified() -> None:
+    from vllm_kvguard.core.events import Action
+
+    quiet = policy.on_repaired(Mode.QUARANTINE)
+    assert quiet.action == Action.REPAIRED and quiet.outcome == policy.HEALED
+    assert not (quiet.evict or quiet.quarantine or quiet.invalidate)
+    read = policy.on_repaired(Mode.QUARANTINE, read_unverified=True)
+    assert read.evict and read.quarantine and not read.invalidate

@@ -131,3 +131,35 @@ def test_nonfinite_finds_exactly_the_pages_with_nan_or_inf(dtype: torch.dtype, b
 def test_nonfinite_ignores_integer_caches() -> None:
     pages = KVPages({"a": torch.full((3, 16), 255, dtype=torch.uint8)})
     assert not pages.nonfinite([0, 1, 2]).any()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_diagnosis_primitives_hold_for_contiguous_and_split_pages(split: bool) -> None:
+    """What diagnosis relies on: a host copy of a page (logical order) hashes as the live page
+    (also for pages in two runs, K and V apart), a word written through write_word lands where
+    the syndrome then locates it, and writing the old word back restores the seal."""
+    from vllm_kvguard.digest.syndrome import locate, page_words, syndromes
+
+    if split:  # (2, blocks, heads, bs, hd): K and V apart, blocks on dim 1
+        kv = torch.randn(2, 8, 2, 32, 64).to(torch.bfloat16)
+        pages = KVPages({"l0": kv}, block_dim=1)
+        assert len(pages._runs[0]) == 2
+    else:
+        pages = KVPages({"l0": _kv()})
+
+    def page_bytes() -> np.ndarray:
+        return pages.host_page(3, 0).view(torch.uint8).reshape(-1).numpy()
+
+    before = pages.host_page(3, 0)
+    sealed_digest = int(pages.digest([3])[0, 0])
+    assert pages.digest_of(0, before) == sealed_digest
+    sealed = syndromes(page_bytes()[None])[0]
+    word = int(page_words(page_bytes())[777])
+    pages.write_word(3, 0, 777, word ^ (1 << 13))
+    assert int(pages.digest([3])[0, 0]) != sealed_digest
+    now = page_bytes()
+    found = locate(sealed, syndromes(now[None])[0], page_words(now))
+    assert found is not None and found.word == 777 and found.flipped == 1 << 13 and found.old == word
+    pages.write_word(3, 0, found.word, found.old)
+    assert int(pages.digest([3])[0, 0]) == sealed_digest
+    assert torch.equal(pages.host_page(3, 0).view(torch.int16), before.view(torch.int16))

@@ -4,6 +4,7 @@ checks, honest progress, work folders, failure hints, and the doctor's rows."""
 from __future__ import annotations
 
 import io
+import json
 from importlib.metadata import version
 from pathlib import Path
 
@@ -124,3 +125,35 @@ def test_doctor_probe_rows_block_on_what_stops_vllm() -> None:
     assert "seals nothing until it holds 128 tokens" in rows["block size"].detail
     text = doctor.render(list(rows.values()))
     assert text.endswith("3 blocker(s): fix them before enabling the guard")
+
+
+def test_report_summarises_a_log_and_diagnoses_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def corrupted(t: int, shape: str, rank: int = 1, device: str = "cuda:1") -> str:
+        return json.dumps(
+            {
+                "event": "kv_block_corrupted",
+                "role": "scheduler",
+                "timestamp": f"2026-12-03T10:{t:02d}:00Z",
+                "shape": shape,
+                "rank": rank,
+                "device": device,
+                "layer": "model.layers.3.self_attn.attn",
+                "action": "repaired",
+            }
+        )
+
+    log = tmp_path / "guard.jsonl"
+    lines = [corrupted(t, "single_bit") for t in range(3)]
+    lines.append("(EngineCore pid=1) INFO 12-03 [logs.py:1] not json at all")
+    lines.append(json.dumps({"event": "kv_request_affected", "outcome": "healed"}))
+    log.write_text("\n".join(lines) + "\n")
+    assert main(["report", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "corrupted pages 3" in out and "by shape   single_bit: 3" in out
+    assert "diagnosis: memory hardware" in out and "nvidia-smi -q -d ECC" in out
+    assert "runbook: docs/runbook.md#single-bit-and-single-word" in out
+    log.write_text("\n".join([corrupted(1, "copy_of_block", 0, "cuda:0"), corrupted(2, "stale", 1)]) + "\n")
+    assert main(["report", "--json", str(log)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["diagnosis"]["verdict"] == "software" and summary["by"]["rank"] == {"0": 1, "1": 1}
+    assert main(["report", str(tmp_path / "missing.jsonl")]) == 2

@@ -87,3 +87,19 @@ def test_an_output_that_differs_without_failing_or_flag_fails_the_drill() -> Non
     report = summarize(lines, [("a", False), ("wrong", False)], ["a", "b"], mode="quarantine", spec="bitflip")
     assert report.total.escaped == 0 and report.silently_wrong == 1
     assert not report.ok and "silently wrong outputs        1" in render(report)
+
+
+def test_diagnosed_counts_faults_whose_shape_matches_the_injected_kind() -> None:
+    lines = [
+        _line("kv_fault_injected", 1.0, fault_id=1, kind="bitflip", block_id=9),
+        _line("kv_fault_injected", 2.0, fault_id=2, kind="overwrite", block_id=4),
+        _line("kv_block_corrupted", 1.5, block_id=9, shape="single_bit", action="repaired"),
+        _line("kv_block_corrupted", 2.5, block_id=4, shape="multi_word", action="quarantined_and_recomputed"),
+        _line("kv_fault_outcome", 1.5, fault_id=1, outcome="detected"),
+        _line("kv_fault_outcome", 2.5, fault_id=2, outcome="detected"),
+    ]
+    report = summarize(lines, [("a", False)], ["a"], mode="quarantine", spec="bitflip;overwrite")
+    assert report.by_kind["bitflip"].diagnosed == 1 and report.by_kind["overwrite"].diagnosed == 0
+    assert report.repaired == 1 and report.shapes == {"single_bit": 1, "multi_word": 1}
+    text = render(report)
+    assert "blocks repaired in place      1" in text and "multi_word 1, single_bit 1" in text
