@@ -365,7 +365,8 @@ class KVGuardWorker:
         if copy_of is not None:
             where["source_block"] = copy_of
         now = syndromes(raw[None])[0][: len(sealed_syndrome)]
-        found = locate(sealed_syndrome, now, page_words(raw)) if sealed_syndrome.any() else None
+        # Confirmed against the seal below, so a missing syndrome (all zero) cannot mislead.
+        found = locate(sealed_syndrome, now, page_words(raw))
         confirmed = repaired = False
         if found is not None:
             mended = page_words(raw).copy()

@@ -161,3 +161,15 @@ def test_a_page_that_reverts_to_its_previous_seal_is_stale() -> None:
     _, out = _step(worker, KVGuardMetadata(StepPlan(4, verify=[3])))
     [d] = out.detections  # type: ignore[attr-defined]
     assert d.shape == "stale"
+
+
+def test_a_bit_flip_in_a_sealed_all_zero_page_is_located_too() -> None:
+    """An all-zero page has an all-zero syndrome, which is still a syndrome."""
+    worker, kv = _worker()
+    kv[4].zero_()
+    _step(worker, KVGuardMetadata(StepPlan(1, seal=[4])))
+    kv[4].view(torch.uint8).view(-1)[4099] ^= 0x02
+    bad, out = _step(worker, KVGuardMetadata(StepPlan(2, verify=[4])))
+    [d] = out.detections  # type: ignore[attr-defined]
+    assert (d.shape, d.repaired, d.where["word"]) == ("single_bit", True, 512) and bad == set()
+    assert not kv[4].view(torch.uint8).any()
