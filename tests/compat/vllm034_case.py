@@ -32,6 +32,9 @@ def main() -> int:
     os.environ["VLLM_KVGUARD"] = "1"
     os.environ["VLLM_KVGUARD_LOG_FILE"] = log_file
     os.environ.setdefault("VLLM_KVGUARD_VERIFY", "sampled")
+    # The case flips single bits to drive 0.34's bad-block handling (recompute); with repair on
+    # the host path would mend them in place instead (tests/engine/test_shapes.py covers that).
+    os.environ["VLLM_KVGUARD_REPAIR"] = "0"
     import vllm
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.distributed.kv_transfer import kv_transfer_state
