@@ -141,3 +141,22 @@ def steal_on_next_allocation(scheduler: Any, held: int) -> None:
         return [stolen, *blocks[1:]]
 
     pool.get_new_blocks = buggy
+
+
+def block_table_of(llm: Any, prompt: str) -> list[int]:
+    """Run ``prompt`` to the end; its block table, as vLLM freed it."""
+    manager = core_scheduler(llm).kv_cache_manager
+    seen: list[list[int]] = []
+    free = manager.free
+
+    def spy(request: Any) -> None:
+        seen.append(list(manager.get_block_ids(request.request_id)[0]))
+        free(request)
+
+    manager.free = spy
+    try:
+        llm.generate([prompt], greedy(1), use_tqdm=False)
+    finally:
+        manager.free = free
+    (table,) = seen
+    return table

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.engine.harness import (
+    block_table_of,
     core_scheduler,
     engine,
     events,
@@ -67,25 +68,6 @@ def nonfinite_pages(worker: Any, blocks: list[int]) -> list[int]:
     import torch
 
     return [b for b in blocks if any(not torch.isfinite(t[b]).all() for t in _layers(worker))]
-
-
-def _pages_of(llm: Any, prompt: str) -> list[int]:
-    """Run ``prompt`` to the end; its block table, as vLLM freed it."""
-    manager = core_scheduler(llm).kv_cache_manager
-    seen: list[list[int]] = []
-    free = manager.free
-
-    def spy(request: Any) -> None:
-        seen.append(list(manager.get_block_ids(request.request_id)[0]))
-        free(request)
-
-    manager.free = spy
-    try:
-        llm.generate([prompt], greedy(1), use_tqdm=False)
-    finally:
-        manager.free = free
-    (table,) = seen
-    return table
 
 
 def _run(core: Any) -> dict[str, Any]:
@@ -255,7 +237,7 @@ READERS = [f"{PREFIX} " + words(200 + 50 * i, 40) for i in range(2)]  # 4 shared
 def _two_readers_of_a_bad_page(llm: Any) -> tuple[list[Any], int]:
     """A caches the prefix; one of its pages is scrambled; two requests read it in one step,
     each writing a full page of its own from it in that step."""
-    block = _pages_of(llm, f"{PREFIX} w398 w399")[1]
+    block = block_table_of(llm, f"{PREFIX} w398 w399")[1]
     llm.collective_rpc(scramble, args=(block, 7))
     return llm.generate(READERS, greedy(8), use_tqdm=False), block
 
@@ -298,7 +280,7 @@ def _nan_then_next_owner(llm: Any) -> tuple[Any, list[int], Any]:
     one included); B's pages go back to the pool; C is given B's unfilled last page and writes
     fewer slots than B did. Returns (B's output, B's pages, C's output)."""
     scheduler = core_scheduler(llm)
-    llm.collective_rpc(poison, args=(_pages_of(llm, f"{PREFIX} w398 w399")[1],))
+    llm.collective_rpc(poison, args=(block_table_of(llm, f"{PREFIX} w398 w399")[1],))
     tables: dict[str, list[int]] = {}
     manager = scheduler.kv_cache_manager
     free = manager.free

@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from tests.engine.harness import core_scheduler, engine, events, guard_env, metric, spy_invalid_blocks
+from tests.engine.harness import (
+    block_table_of,
+    core_scheduler,
+    engine,
+    events,
+    guard_env,
+    metric,
+    spy_invalid_blocks,
+)
 from tests.engine.scenario import PREFIX, PREFIX_BLOCKS, greedy, prompts_b
 
 pytestmark = pytest.mark.engine
@@ -29,26 +37,8 @@ def _flip_without_guard(worker: Any, block: int) -> None:
     kv[block].view(torch.uint8).reshape(-1)[BYTE] ^= 1 << BIT
 
 
-def _prefix_blocks(llm: Any) -> list[int]:
-    """Run A (the prefix plus two words) and return the blocks it filled: the prefix pages."""
-    manager = core_scheduler(llm).kv_cache_manager
-    seen: list[list[int]] = []
-    free = manager.free
-
-    def spy(request: Any) -> None:
-        seen.append(list(manager.get_block_ids(request.request_id)[0]))
-        free(request)
-
-    manager.free = spy
-    try:
-        llm.generate([f"{PREFIX} w398 w399"], greedy(4), use_tqdm=False)
-    finally:
-        manager.free = free
-    return seen[0][:PREFIX_BLOCKS]
-
-
 def _clean_then_flip(llm: Any, flip: Any) -> tuple[list[str], list[str], int]:
-    blocks = _prefix_blocks(llm)
+    blocks = block_table_of(llm, f"{PREFIX} w398 w399")[:PREFIX_BLOCKS]  # A's prefix pages
     clean = [o.outputs[0].text for o in llm.generate(prompts_b(), greedy(16), use_tqdm=False)]
     llm.collective_rpc(flip, args=(blocks[1],))
     after = llm.generate(prompts_b(), greedy(16), use_tqdm=False)

@@ -190,10 +190,18 @@ class KVPages:
             digests.append(state.intdigest())
         return digests
 
-    def seal_facts(self, block_ids: Sequence[int], *, check_finite: bool) -> tuple[np.ndarray, np.ndarray]:
+    def seal_facts(
+        self, block_ids: Sequence[int], *, check_finite: bool, with_syndromes: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
         """What sealing records besides the digest, from one gather per layer of the pages being
         sealed: which hold NaN/Inf (``check_finite``; else all False), shape (pages, layers), and
-        their syndromes (:mod:`.syndrome`), shape (pages, layers, syndrome_words) uint64."""
+        their syndromes (:mod:`.syndrome`; ``with_syndromes``, else zeros), shape (pages, layers,
+        syndrome_words) uint64.
+
+        The NaN/Inf test is an exponent test on 64-bit words (``nonfinite_rows``), 3-4x faster
+        than ``torch.isfinite`` on bf16 here; integer KV dtypes (quantised caches) cannot hold
+        NaN and are reported finite.
+        """
         n = len(block_ids)
         flags = np.zeros((n, self.num_layers), dtype=bool)
         syn = np.zeros((n, self.num_layers, self.syndrome_words), dtype=np.uint64)
@@ -206,17 +214,19 @@ class KVPages:
             if check_finite and tensor.is_floating_point():
                 finite_layers.append(i)
                 finite_flags.append(nonfinite_rows(gathered))
-            c, r = parities(gathered.cpu().view(torch.uint8).numpy())
-            cols.append(c)
-            rows.append(r)
-        if len({r.shape[1] for r in rows}) == 1:
+            if with_syndromes:
+                c, r = parities(gathered.cpu().view(torch.uint8).numpy())
+                cols.append(c)
+                rows.append(r)
+        if rows and len({r.shape[1] for r in rows}) == 1:
             # Every layer's pages finished in one go: (layers x pages) rows.
             done = finish(np.concatenate(cols), np.concatenate(rows))[:, : self.syndrome_words]
             syn[:] = done.reshape(self.num_layers, n, -1).swapaxes(0, 1)
-        else:
+        else:  # layers of different page sizes (none when with_syndromes is off: no rows)
             for i, (c, r) in enumerate(zip(cols, rows, strict=True)):
                 syn[:, i] = finish(c, r)[:, : self.syndrome_words]
         if finite_layers:
+            # One transfer for all layers' flags.
             flags[:, finite_layers] = torch.stack(finite_flags, dim=1).cpu().numpy()
         return flags, syn
 
@@ -262,26 +272,8 @@ class KVPages:
             live[tuple(int(i) for i in np.unravel_index(first + k, tuple(live.shape)))] = elements[k]
 
     def nonfinite(self, block_ids: Sequence[int]) -> np.ndarray:
-        """Which pages hold NaN or Inf, shape (len(block_ids), num_layers), bool.
-
-        One gather per layer for the whole batch (the pages being sealed this step),
-        then an exponent test on 64-bit words (:func:`_nonfinite_rows`), 3-4x faster
-        than ``torch.isfinite`` on bf16 here. Integer KV dtypes (quantised caches)
-        cannot hold NaN and are reported finite.
-        """
-        out = np.zeros((len(block_ids), self.num_layers), dtype=bool)
-        if not block_ids:
-            return out
-        # The index is built once, and the flags come back in one transfer (not one per layer).
-        index = torch.as_tensor(block_ids, device=self.tensors[0].device)
-        layers = [i for i, t in enumerate(self.tensors) if t.is_floating_point()]
-        if layers:
-            flags = [
-                nonfinite_rows(self.tensors[i].index_select(0, index).reshape(len(block_ids), -1))
-                for i in layers
-            ]
-            out[:, layers] = torch.stack(flags, dim=1).cpu().numpy()
-        return out
+        """Which pages hold NaN or Inf, shape (len(block_ids), num_layers), bool (see seal_facts)."""
+        return self.seal_facts(block_ids, check_finite=True, with_syndromes=False)[0]
 
     def zero(self, block_ids: Sequence[int]) -> None:
         """Zero the given blocks in every layer (one indexed fill per layer)."""
