@@ -24,6 +24,7 @@ from vllm_kvguard.core import policy
 from vllm_kvguard.core.counters import GuardCounters
 from vllm_kvguard.core.events import (
     BlockCorrupted,
+    BlockDiagnosed,
     BlockNonFinite,
     BlockQuarantined,
     Detection,
@@ -330,16 +331,12 @@ class KVGuardScheduler:
             self._handle_nonfinite(block, detections)
         for d in meta.diagnosed:
             self.counters.add("shapes", label=d.shape)
-            self.log.line(
+            self.log.event(
                 "kv_block_diagnosed",
+                BlockDiagnosed(
+                    d.block_id, d.layer, d.rank, d.step, d.shape, d.where, str(d.where.get("device", ""))
+                ),
                 level="error",
-                block_id=d.block_id,
-                layer=d.layer,
-                rank=d.rank,
-                step=d.step,
-                shape=d.shape,
-                where=d.where,
-                device=str(d.where.get("device", "")),
             )
         if self.faults is not None:
             for fid in meta.unchanged_faults:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -193,20 +194,7 @@ class KVGuardWorker:
             if int(self.pages.digest([d.block_id])[0, layer]) == d.actual:
                 shape, where, _ = self._diagnose(d.block_id, layer, d.expected, d.actual)
         finally:
-            self._worker_meta().diagnosed.append(
-                Detection(
-                    d.rank,
-                    d.block_id,
-                    d.layer,
-                    d.expected,
-                    d.actual,
-                    (),
-                    d.trigger,
-                    d.step,
-                    shape=shape,
-                    where=where,
-                )
-            )
+            self._worker_meta().diagnosed.append(replace(d, readers=(), shape=shape, where=where))
 
     def _verify_on_device(self, meta: KVGuardMetadata) -> None:
         """The step's hits and scrub pages in one launch, compared on the device, read back

@@ -60,6 +60,20 @@ class BlockCorrupted:
 
 
 @dataclass(frozen=True)
+class BlockDiagnosed:
+    """The shape of a page a device check found bad, diagnosed by the worker before its next
+    forward (``kv_block_diagnosed``: the device path's follow-up to ``kv_block_corrupted``)."""
+
+    block_id: int
+    layer: str
+    rank: int
+    step: int
+    shape: str
+    where: dict[str, object] = field(default_factory=dict)
+    device: str = ""
+
+
+@dataclass(frozen=True)
 class BlockNonFinite:
     """NaN/Inf found in a page as it was sealed: bad data written, not a change at rest."""
 
