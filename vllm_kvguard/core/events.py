@@ -31,7 +31,7 @@ class Detection:
     shape: str = "undiagnosed"  # core.shapes.Shape
     # Where a located word is (word, element, flipped_bits), or the copy's source_block.
     where: dict[str, object] = field(default_factory=dict)
-    repaired: bool = False  # mended in place before any forward read it (and verified)
+    repaired: bool = False  # mended in place before this step read it (and verified)
 
 
 @dataclass(frozen=True)

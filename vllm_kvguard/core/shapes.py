@@ -25,7 +25,7 @@ class Shape(StrEnum):
     NONFINITE = "nonfinite"  # the page now holds NaN/Inf
     COPY_OF_BLOCK = "copy_of_block"  # it equals another sealed page: a misdirected copy
     STALE = "stale"  # it equals this block's previous seal: a write that never landed
-    UNDIAGNOSED = "undiagnosed"  # not looked at (device path: checks settle where pages can't be read)
+    UNDIAGNOSED = "undiagnosed"  # not (yet) looked at: device path, diagnosed a step later
 
 
 SHAPES = tuple(s.value for s in Shape)
