@@ -17,7 +17,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from vllm_kvguard.core.counters import GuardCounters
+from vllm_kvguard.core.counters import STATE_TABLES, GuardCounters
 from vllm_kvguard.core.shapes import SHAPES
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0)
@@ -86,6 +86,26 @@ SERIES = (
         "keeps it under VLLM_KVGUARD_SCRUB_INTERVAL).",
     ),
     Series("quarantined", "vllm:kvguard_blocks_quarantined", "gauge", "KV blocks held out of circulation."),
+    Series(
+        "state_entries",
+        "vllm:kvguard_state_entries",
+        "gauge",
+        "Entries in the guard's tables that grow with requests and events, by table (requests, "
+        "blocks_given, read_windows, stop_messages, affected, recompute_counts, pending_failures: "
+        "per live request, back to 0 when requests end; recent_steps: at most 3; faults: drills "
+        "only). Sampled once a second.",
+        "table",
+        STATE_TABLES,
+    ),
+    Series(
+        "state_bytes",
+        "vllm:kvguard_state_bytes",
+        "gauge",
+        "Bytes of the guard's fixed tables, by side (scheduler: the block ledger's arrays; worker: "
+        "the digest tables of one worker). Sized at start from the KV pool; sampled once a second.",
+        "side",
+        ("scheduler", "worker"),
+    ),
     Series(
         "requests_affected",
         "vllm:kvguard_requests_affected",
@@ -198,6 +218,9 @@ class Recorder:
                 self.metrics[key].labels(*values).observe(v)
         for key, v in delta.gauges.items():
             self.metrics[key].labels(*values).set(v)
+        for key, labels in delta.labelled_gauges.items():
+            for label, v in labels.items():
+                self.metrics[key].labels(*values, label).set(v)
 
 
 def build_metrics(

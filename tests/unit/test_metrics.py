@@ -19,6 +19,26 @@ def test_counters_round_trip_and_merge() -> None:
     assert GuardCounters().empty() and not a.empty()
 
 
+def test_labelled_gauges_travel_and_set_per_label() -> None:
+    a = GuardCounters()
+    a.set("state_entries", 3, label="requests")
+    a.set("state_bytes", 1024, label="scheduler")
+    assert not a.empty()
+    b = GuardCounters.from_dict(a.to_dict())
+    b.absorb({"labelled_gauges": {"state_entries": {"requests": 0, "affected": 1}}})
+    assert b.labelled_gauges == {
+        "state_entries": {"requests": 0, "affected": 1},  # a gauge: the latest value wins
+        "state_bytes": {"scheduler": 1024},
+    }
+    registry = CollectorRegistry()
+    metrics = build_metrics(Counter, Gauge, Histogram, ["model_name", "engine"], registry=registry)
+    Recorder(metrics, {0: ["m", "0"]}).observe(b.to_dict())
+    labels = {"model_name": "m", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvguard_state_entries", {**labels, "table": "affected"}) == 1
+    assert registry.get_sample_value("vllm:kvguard_state_entries", {**labels, "table": "requests"}) == 0
+    assert registry.get_sample_value("vllm:kvguard_state_bytes", {**labels, "side": "scheduler"}) == 1024
+
+
 def test_recorder_creates_zero_series_and_applies_deltas() -> None:
     registry = CollectorRegistry()
     metrics = build_metrics(Counter, Gauge, Histogram, ["model_name", "engine"], registry=registry)

@@ -151,6 +151,8 @@ class KVGuardScheduler:
         )
         self._scrub_behind_logged = False
         self._age_reported_at = 0.0
+        self._state_reported_at = 0.0
+        self._reported_idle = False
         # Non-finite pages: blocks to report unreadable next step, and how often each
         # request was sent to recompute one (a model that writes NaN writes it again).
         self._invalidate_next: list[int] = []
@@ -234,6 +236,30 @@ class KVGuardScheduler:
         if now - self._age_reported_at >= 1.0:
             self._age_reported_at = now
             self.counters.set("oldest_unverified_age", self.ledger.oldest_unverified_age(now))
+
+    def footprint(self) -> dict[str, int]:
+        """Entries of every table that grows with requests or events (``STATE_TABLES``)."""
+        return {
+            **self.ledger.footprint(),
+            "stop_messages": len(self.stop_messages),
+            "affected": len(self._affected),
+            "recompute_counts": len(self._nonfinite_recomputes),
+            "pending_failures": len(self.pending_failures),
+            "recent_steps": len(self._recent),
+            "faults": self.faults.footprint() if self.faults is not None else 0,
+        }
+
+    def _report_state(self) -> None:
+        """The state gauges once a second, and at once when the last live request ended (so a
+        server gone quiet shows its tables emptied)."""
+        now = time.monotonic()
+        idle = self.ledger.live_requests() == 0
+        if now - self._state_reported_at < 1.0 and (not idle or self._reported_idle):
+            return
+        self._state_reported_at, self._reported_idle = now, idle
+        for table, n in self.footprint().items():
+            self.counters.set("state_entries", n, label=table)
+        self.counters.set("state_bytes", self.ledger.nbytes(), label="scheduler")
 
     def _plan_faults(self, plan: StepPlan, meta: KVGuardMetadata) -> None:
         assert self.faults is not None and self.block_pool is not None
@@ -606,6 +632,7 @@ class KVGuardScheduler:
 
     def stats(self) -> dict[str, Any] | None:
         """The metric delta since the last call, or None when nothing happened."""
+        self._report_state()
         if self.counters.empty():
             return None
         self.counters.add("guard_seconds", self.hook_seconds, label="scheduler")

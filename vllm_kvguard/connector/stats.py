@@ -39,6 +39,9 @@ class KVGuardStats(KVConnectorStats):
             for label, n in labels.items():
                 out[f"{key}_{label}"] = n
         out.update(delta.gauges)
+        for key, labels in delta.labelled_gauges.items():
+            for label, v in labels.items():
+                out[f"{key}_{label}"] = v
         return out
 
     def is_empty(self) -> bool:

@@ -48,6 +48,7 @@ class KVGuardWorker:
         self._out: KVGuardWorkerMetadata | None = None
         self._invalid: set[int] = set()
         self.counters = GuardCounters()
+        self._state_reported_at = 0.0
         self._layer_index: dict[str, int] = {}
         self._reads_left: set[int] = set()
         self._read_blocks: list[int] = []
@@ -408,6 +409,8 @@ class KVGuardWorker:
         # After the forward: the pages whose last slot was written this step are final.
         at_rest = []
         for injection in meta.inject:
+            if injection.rank is not None and injection.rank != self.rank:
+                continue  # another worker's fault (rank=N): this worker's copy stays intact
             if injection.at == FaultSite.WRITE:
                 self._inject(injection)
             else:
@@ -501,6 +504,10 @@ class KVGuardWorker:
             self.counters.add("step_seconds", time.perf_counter() - self._step_start)
             self.counters.add("guard_seconds", self.hook_seconds, label="worker")
             self.hook_seconds, self._step_start = 0.0, None
+            now = time.monotonic()
+            if self.table is not None and now - self._state_reported_at >= 1.0:
+                self._state_reported_at = now
+                self.counters.set("state_bytes", self.table.nbytes(), label="worker")
         if not self.counters.empty():
             self._worker_meta().counters = self.counters.to_dict()
             self.counters = GuardCounters()

@@ -11,6 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# The guard's tables that grow with requests and events (``vllm:kvguard_state_entries``):
+# the soak watches them return to 0 when traffic stops.
+STATE_TABLES = (
+    "requests",
+    "blocks_given",
+    "read_windows",
+    "stop_messages",
+    "affected",
+    "recompute_counts",
+    "pending_failures",
+    "recent_steps",
+    "faults",
+)
+
 
 @dataclass
 class GuardCounters:
@@ -23,6 +37,7 @@ class GuardCounters:
     labelled: dict[str, dict[str, float]] = field(default_factory=dict)
     observations: dict[str, list[float]] = field(default_factory=dict)
     gauges: dict[str, float] = field(default_factory=dict)
+    labelled_gauges: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def add(self, key: str, n: float = 1, label: str | None = None) -> None:
         if label is None:
@@ -34,8 +49,11 @@ class GuardCounters:
     def observe(self, key: str, value: float) -> None:
         self.observations.setdefault(key, []).append(value)
 
-    def set(self, key: str, value: float) -> None:
-        self.gauges[key] = value
+    def set(self, key: str, value: float, label: str | None = None) -> None:
+        if label is None:
+            self.gauges[key] = value
+        else:
+            self.labelled_gauges.setdefault(key, {})[label] = value
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +61,7 @@ class GuardCounters:
             "labelled": {k: dict(v) for k, v in self.labelled.items()},
             "observations": {k: list(v) for k, v in self.observations.items()},
             "gauges": dict(self.gauges),
+            "labelled_gauges": {k: dict(v) for k, v in self.labelled_gauges.items()},
         }
 
     @classmethod
@@ -61,6 +80,8 @@ class GuardCounters:
         for k, values in data.get("observations", {}).items():
             self.observations.setdefault(k, []).extend(values)
         self.gauges.update(data.get("gauges", {}))
+        for k, labels in data.get("labelled_gauges", {}).items():
+            self.labelled_gauges.setdefault(k, {}).update(labels)
 
     def empty(self) -> bool:
         return not (
@@ -68,4 +89,5 @@ class GuardCounters:
             or any(any(v.values()) for v in self.labelled.values())
             or any(self.observations.values())
             or self.gauges
+            or self.labelled_gauges
         )

@@ -31,11 +31,11 @@ class FaultKind(StrEnum):
     NAN = "nan"
 
 
-_KEYS = {"count", "rate", "seed", "after", "layer", "at"}
+_KEYS = {"count", "rate", "seed", "after", "layer", "at", "rank"}
 _GRAMMAR = (
     "KIND[:key=value,...] joined by ';', KIND one of bitflip | overwrite | zero | nan, "
     "keys count=N (>=1) or rate=P (0<P<=1), seed=N, after=STEP (>=0), layer=INDEX (>=0), "
-    "at=rest|write (write: nan only)"
+    "at=rest|write (write: nan only), rank=WORKER (>=0; default: every worker)"
 )
 
 
@@ -53,6 +53,7 @@ class FaultSpec:
     after: int = 0
     layer: int | None = None
     at: FaultSite = FaultSite.REST
+    rank: int | None = None  # only this worker corrupts its copy (tensor/pipeline parallel)
 
 
 def _bad(spec: str, variable: str, why: str) -> KVGuardConfigError:
@@ -120,6 +121,7 @@ def parse_fault_spec(spec: str, *, variable: str = VARIABLE) -> list[FaultSpec]:
                 after=_int(spec, variable, "after", kw["after"], 0) if "after" in kw else 0,
                 layer=_int(spec, variable, "layer", kw["layer"], 0) if "layer" in kw else None,
                 at=at,
+                rank=_int(spec, variable, "rank", kw["rank"], 0) if "rank" in kw else None,
             )
         )
     if not faults:
@@ -186,6 +188,7 @@ class Injection:
     layer: int
     seed: int
     at: FaultSite = FaultSite.REST
+    rank: int | None = None  # None: every worker
 
 
 class FaultTracker:
@@ -200,7 +203,7 @@ class FaultTracker:
 
     def __init__(self, specs: list[FaultSpec]) -> None:
         self._plan = FaultPlan(specs)
-        self.faults: dict[int, InjectedFault] = {}
+        self.faults: dict[int, InjectedFault] = {}  # not yet ended: dropped once reported
         self._pending: dict[int, list[int]] = {}  # block -> fault ids not yet read
         self._reading: dict[int, list[int]] = {}  # step -> fault ids read at that step
         self._next_id = 1
@@ -221,7 +224,7 @@ class FaultTracker:
                 self._reading.setdefault(step, []).append(fid)
             else:
                 self._pending.setdefault(block, []).append(fid)
-            out.append(Injection(fid, spec.kind, block, layer, rng.randrange(2**31), at))
+            out.append(Injection(fid, spec.kind, block, layer, rng.randrange(2**31), at, spec.rank))
         return out
 
     def allocated(self, blocks: list[int]) -> list[int]:
@@ -229,7 +232,7 @@ class FaultTracker:
         ended = []
         for block in blocks:
             for fid in self._pending.pop(block, ()):
-                self.faults[fid].discarded = True
+                self.faults.pop(fid).discarded = True
                 ended.append(fid)
         return ended
 
@@ -243,17 +246,21 @@ class FaultTracker:
             self._reading[step] = read
 
     def no_change(self, fault_id: int) -> None:
-        fault = self.faults[fault_id]
+        fault = self.faults.pop(fault_id)
         fault.discarded = True
         pending = self._pending.get(fault.block_id, [])
         if fault_id in pending:
             pending.remove(fault_id)
 
+    def footprint(self) -> int:
+        """Faults not yet ended (injected, waiting for a reader or a verdict)."""
+        return len(self.faults) + len(self._reading)
+
     def verified(self, step: int, bad_blocks: set[int]) -> list[tuple[int, bool]]:
         """The worker reported step ``step``: (fault id, detected) for faults read then."""
         out = []
         for fid in self._reading.pop(step, ()):
-            fault = self.faults[fid]
+            fault = self.faults.pop(fid)
             fault.detected = fault.block_id in bad_blocks
             out.append((fid, fault.detected))
         return out

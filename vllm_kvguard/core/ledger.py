@@ -118,6 +118,21 @@ class BlockLedger:
     def num_blocks(self) -> int:
         return len(self.state)
 
+    def live_requests(self) -> int:
+        return len(self._numbers)
+
+    def footprint(self) -> dict[str, int]:
+        """Entries of the per-request tables (0 once every request has ended)."""
+        return {
+            "requests": len(self._numbers),
+            "blocks_given": sum(len(a) for g in self._given.values() for a in g),
+            "read_windows": len(self._read_window),
+        }
+
+    def nbytes(self) -> int:
+        """Bytes of the per-block arrays (fixed at start)."""
+        return sum(v.nbytes for v in vars(self).values() if isinstance(v, np.ndarray))
+
     def quarantined(self) -> int:
         return int(np.count_nonzero(self.state == BlockState.QUARANTINED))
 
@@ -275,6 +290,7 @@ class BlockLedger:
     def release_request(self, req_id: str) -> None:
         """A request gave its blocks back (finished or preempted): the blocks it was
         still writing hold nothing anyone may read, so they are free again."""
+        self._read_window.pop(req_id, None)
         number = self._numbers.pop(req_id, None)
         if number is None:
             return

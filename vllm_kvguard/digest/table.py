@@ -38,6 +38,14 @@ class DigestTable:
         self.syndromes = np.zeros((num_blocks, num_layers, syndrome_words), dtype=np.uint64)
         self.sealed = np.zeros(num_blocks, dtype=bool)
 
+    def nbytes(self) -> int:
+        """Bytes of the table's arrays, host and device (fixed at start)."""
+        return sum(
+            v.nbytes if isinstance(v, np.ndarray) else v.numel() * v.element_size()
+            for v in vars(self).values()
+            if isinstance(v, np.ndarray | torch.Tensor)
+        )
+
     def seal(
         self, block_ids: Sequence[int], digests: np.ndarray, syndromes: np.ndarray | None = None
     ) -> None:

@@ -231,3 +231,16 @@ def test_last_good_step_is_the_seal_or_verification_before_the_detection() -> No
     for n in range(12, 15):
         ledger.plan([req("a", n, 1, False, [], [1, 2, 3])], read_budget=None)
     assert ledger.last_good_step(1, ledger.step) == ledger.step - 1
+
+
+def test_footprint_returns_to_zero_when_requests_end() -> None:
+    ledger = BlockLedger(64, BS)
+    ledger.plan([req("a", 0, 10, True, [1, 2, 3], [1, 2, 3]), req("b", 0, 5, True, [4, 5], [4, 5])], 2)
+    ledger.plan([req("a", 10, 1, False, [], [1, 2, 3]), req("b", 5, 1, False, [], [4, 5])], 2)
+    busy = ledger.footprint()
+    assert busy["requests"] == 2 and busy["blocks_given"] == 5 and busy["read_windows"] >= 1
+    size = ledger.nbytes()
+    ledger.release_request("a")
+    ledger.release_request("b")  # finished or aborted: vLLM calls request_finished for both
+    assert ledger.footprint() == {"requests": 0, "blocks_given": 0, "read_windows": 0}
+    assert ledger.live_requests() == 0 and ledger.nbytes() == size > 64 * 8

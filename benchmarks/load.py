@@ -1,0 +1,214 @@
+"""Load under faults, with a real client against the real OpenAI server.
+
+    python benchmarks/load.py                          # ~10 minutes: 2-minute phases
+    python benchmarks/load.py --phase-seconds 20 --json # the short version the tests run
+
+What it does, on loopback only (every server on 127.0.0.1, every loop bounded in time and count):
+
+1. Two servers, guard off and guard on (default settings, no faults). The clean reference: every
+   prompt of the prefix-sharing mix once on the guard-off server (greedy, fixed length).
+2. Rounds, interleaved: a round on the guard-off server, a round on the guard-on server, ... at
+   ``--concurrency`` clients (half streaming), for ``--phase-seconds`` each side. Every response
+   is compared with the reference; the guard-on side must detect nothing and serve identical text;
+   TTFT and inter-token latency p50/p99 side by side.
+3. For each ``--modes`` entry, a guard-on server with drill faults injected at a steady rate
+   (``--faults``, per step), driven for ``--phase-seconds``: requests served, faults injected and
+   what became of them, responses that differ from clean and were neither errored nor flagged
+   (the contract: 0), errors by cause. ``log`` mode is the control: it heals nothing, so differing
+   (flagged) responses there show the faults do change the text.
+
+The report (``--json``: one JSON object on stdout) is written to ``<workdir>/load.json`` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import loadgen
+
+from vllm_kvguard.tools.server import Server, serve
+
+ROOT = Path(__file__).resolve().parents[1]
+FAULTS = "bitflip:rate=0.01,seed=1;zero:rate=0.01,seed=2;overwrite:rate=0.01,seed=3"
+SERVER_ARGS = ("--max-num-seqs", "64", "--max-num-batched-tokens", "2048")
+
+
+def guard_events(log: Path) -> Counter[str]:
+    """Counts from a guard log: faults by outcome, corruptions by action, requests by outcome."""
+    c: Counter[str] = Counter({"faults_injected": 0, "corruptions_detected": 0, "internal_errors": 0})
+    if not log.exists():
+        return c
+    for line in log.read_text().splitlines():
+        e = json.loads(line)
+        name = e.get("event", "")
+        if name == "kv_fault_injected":
+            c["faults_injected"] += 1
+        elif name == "kv_fault_outcome":
+            c[f"fault_{e['outcome']}"] += 1
+        elif name == "kv_block_corrupted":
+            c["corruptions_detected"] += 1
+            c[f"corrupted_{e.get('action', '')}"] += 1
+        elif name == "kv_request_affected":
+            c[f"requests_{e['outcome']}"] += 1
+        elif name in ("kvguard_internal_error", "kvguard_worker_internal_error"):
+            c["internal_errors"] += 1
+    ended = sum(v for k, v in c.items() if k.startswith("fault_"))
+    c["faults_pending"] = c["faults_injected"] - ended  # injected into pages nobody read since
+    return c
+
+
+def _reference(server: Server, prompts: list[str], concurrency: int) -> dict[int, str]:
+    order = list(range(len(prompts)))
+    responses = loadgen.run(
+        server.base, prompts, concurrency=concurrency, seconds=600, max_requests=len(order), order=order
+    )
+    # Both halves of each prompt: the reference itself is taken twice (streaming and not) and
+    # must agree, or the engine is not deterministic here and no comparison means anything.
+    again = loadgen.run(
+        server.base, prompts, concurrency=concurrency, seconds=600, max_requests=len(order),
+        order=order[1:] + order[:1],
+    )  # fmt: skip
+    ref = {r.prompt: r.text for r in responses if r.ok}
+    if len(ref) != len(prompts):
+        raise SystemExit(f"reference run: {len(prompts) - len(ref)} prompts failed on the guard-off server")
+    unstable = [r.prompt for r in again if not r.ok or r.text != ref[r.prompt]]
+    if unstable:
+        raise SystemExit(f"reference run: guard-off server not deterministic for prompts {unstable[:10]}")
+    return ref
+
+
+def interleaved(
+    off: Server, on: Server, prompts: list[str], ref: dict[int, str], args: argparse.Namespace
+) -> dict[str, Any]:
+    sides: dict[str, list[loadgen.Response]] = {"off": [], "on": []}
+    spent = {"off": 0.0, "on": 0.0}
+    round_no = 0
+    while min(spent.values()) < args.phase_seconds:
+        pair = [("off", off), ("on", on)]
+        for name, server in pair if round_no % 2 == 0 else pair[::-1]:  # off-on, on-off, ...
+            start = time.monotonic()
+            sides[name] += loadgen.run(
+                server.base, prompts, concurrency=args.concurrency, seconds=args.round_seconds,
+                max_requests=10_000, seed=round_no,
+            )  # fmt: skip
+            spent[name] += time.monotonic() - start
+        round_no += 1
+    out: dict[str, Any] = {"rounds": round_no}
+    for name in sides:
+        out[name] = {
+            **loadgen.verdicts(sides[name], ref),
+            **loadgen.latency(sides[name]),
+            "requests_per_s": round(len(sides[name]) / spent[name], 2),
+        }
+    out["on"]["guard"] = dict(guard_events(on.log))
+    out["ratio_on_to_off"] = {
+        k: round(out["on"][k] / out["off"][k], 3)
+        for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "requests_per_s")
+        if out["on"].get(k) and out["off"].get(k)
+    }
+    return out
+
+
+def faulted(
+    model: str, work: Path, mode: str, prompts: list[str], ref: dict[int, str], args: argparse.Namespace
+) -> dict[str, Any]:
+    guard = {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_MODE": mode, "VLLM_KVGUARD_INJECT": args.faults}
+    with serve(model, work, guard, args=SERVER_ARGS, name=f"faults-{mode}") as server:
+        start = time.monotonic()
+        responses = loadgen.run(
+            server.base, prompts, concurrency=args.concurrency, seconds=args.phase_seconds,
+            max_requests=100_000, seed=7,
+        )  # fmt: skip
+        seconds = time.monotonic() - start
+        time.sleep(1.5)  # the last outcomes reach the log
+        guard_counts = guard_events(server.log)
+    return {
+        "mode": mode,
+        "faults": args.faults,
+        **loadgen.verdicts(responses, ref),
+        **loadgen.latency(responses),
+        "requests_per_s": round(len(responses) / seconds, 2),
+        "guard": dict(guard_counts),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=str(ROOT / ".cache" / "tiny-model"))
+    p.add_argument("--concurrency", type=int, default=48)
+    p.add_argument("--phase-seconds", type=float, default=120.0)
+    p.add_argument("--round-seconds", type=float, default=10.0)
+    p.add_argument("--faults", default=FAULTS, help=f"drill spec (VLLM_KVGUARD_INJECT), default {FAULTS}")
+    p.add_argument("--modes", default="quarantine,log", help="guard modes for the fault phase")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if not 1 <= args.concurrency <= 256:
+        p.error(f"--concurrency {args.concurrency}: 1..256")
+    if args.phase_seconds <= 0 or args.round_seconds <= 0:
+        p.error("--phase-seconds and --round-seconds must be > 0")
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in ("quarantine", "raise", "log"):
+            p.error(f"--modes: {m!r} is not one of quarantine, raise, log")
+    from vllm_kvguard.core.faults import parse_fault_spec
+    from vllm_kvguard.errors import KVGuardConfigError
+
+    try:
+        parse_fault_spec(args.faults, variable="--faults")
+    except KVGuardConfigError as exc:
+        p.error(str(exc))
+
+    from vllm_kvguard.tools.tinymodel import build_tiny_model
+
+    model = str(build_tiny_model(Path(args.model))) if args.model.endswith("tiny-model") else args.model
+    with contextlib.ExitStack() as stack:
+        work = (
+            Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        )
+        work.mkdir(parents=True, exist_ok=True)
+        prompts = loadgen.prompt_mix()
+        report: dict[str, Any] = {
+            "concurrency": args.concurrency,
+            "phase_seconds": args.phase_seconds,
+            "prompts": len(prompts),
+            "max_tokens": loadgen.MAX_TOKENS,
+        }
+        t0 = time.monotonic()
+        with (
+            serve(model, work, {"VLLM_KVGUARD": "0"}, args=SERVER_ARGS, name="off") as off,
+            serve(model, work, {"VLLM_KVGUARD": "1"}, args=SERVER_ARGS, name="on") as on,
+        ):
+            print(f"servers up in {time.monotonic() - t0:.0f}s; reference run", file=sys.stderr, flush=True)
+            ref = _reference(off, prompts, args.concurrency)
+            # The guard-on server's first pass: its warm-up, and every prompt checked against clean.
+            report["on_reference"] = loadgen.verdicts(
+                loadgen.run(on.base, prompts, concurrency=args.concurrency, seconds=600,
+                            max_requests=len(prompts), order=list(range(len(prompts)))),
+                ref,
+            )  # fmt: skip
+            print("interleaved rounds, guard off vs on (no faults)", file=sys.stderr, flush=True)
+            report["no_faults"] = interleaved(off, on, prompts, ref, args)
+        report["faults"] = {}
+        for mode in modes:
+            print(f"faults at a steady rate, mode {mode}", file=sys.stderr, flush=True)
+            report["faults"][mode] = faulted(model, work, mode, prompts, ref, args)
+        report["seconds"] = round(time.monotonic() - t0, 1)
+        (work / "load.json").write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

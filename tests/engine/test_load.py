@@ -1,0 +1,87 @@
+"""Load and soak against the real OpenAI server, with the official ``openai`` client (asyncio):
+the short versions of ``benchmarks/load.py`` and ``benchmarks/soak.py`` (docs/reliability.md has
+the long runs). Loopback only; every loop bounded in time and count; the scripts exit by
+themselves.
+
+No timing assertions: latency and throughput figures are reported, not tested.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(name: str, *args: str, timeout: int) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_KVGUARD")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args, "--json"],
+        env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return dict(json.loads(proc.stdout))
+
+
+def test_load_with_faults_serves_no_silent_wrong_text(tiny_model: str, tmp_path: Path) -> None:
+    report = _script(
+        "load.py", "--model", tiny_model, "--concurrency", "32", "--phase-seconds", "20",
+        "--round-seconds", "10", "--faults", "bitflip:rate=0.05,seed=1;zero:rate=0.05,seed=2",
+        "--modes", "quarantine,log", "--workdir", str(tmp_path), timeout=1200,
+    )  # fmt: skip
+    # The clean reference was taken twice and agreed (the script stops otherwise); the guard-on
+    # server served every prompt exactly as the guard-off one.
+    assert report["on_reference"]["same"] == report["prompts"] == report["on_reference"]["requests"]
+    quiet = report["no_faults"]
+    for side in ("off", "on"):
+        assert quiet[side]["requests"] > 0 and quiet[side]["same"] == quiet[side]["requests"], quiet[side]
+        assert quiet[side]["streams"] > 0 and quiet[side]["ttft_p99_ms"] > 0
+    assert quiet["on"]["guard"]["corruptions_detected"] == 0 and quiet["on"]["guard"]["internal_errors"] == 0
+    assert set(quiet["ratio_on_to_off"]) >= {"ttft_p50_ms", "itl_p99_ms", "requests_per_s"}
+
+    healed, control = report["faults"]["quarantine"], report["faults"]["log"]
+    for run in (healed, control):
+        assert run["silent_wrong"] == 0, run  # the contract
+        assert run["guard"]["faults_injected"] > 0 and run["guard"]["corruptions_detected"] > 0, run
+        assert run["guard"]["internal_errors"] == 0
+        assert run["disconnected"] == 0
+    # Quarantine: every reader of a bad page recomputed it; nobody got an error or a flag.
+    assert healed["same"] == healed["requests"] and healed["errored"] == 0, healed
+    assert healed["guard"]["requests_healed"] > 0
+    # The control: log mode heals nothing, and the same faults changed the text of some
+    # responses, every one of them flagged.
+    assert control["flagged_different"] > 0, control
+
+
+def test_soak_leaves_nothing_behind_and_memory_flat(tiny_model: str, tmp_path: Path) -> None:
+    report = _script(
+        "soak.py", "--model", tiny_model, "--minutes", "1.5", "--sample-seconds", "10",
+        "--concurrency", "24", "--faults", "bitflip:rate=0.02,seed=4", "--workdir", str(tmp_path),
+        timeout=900,
+    )  # fmt: skip
+    assert report["requests"] > 100 and report["completed"] > 0
+    # Clients hung up mid-stream; the server aborted those requests and served the rest.
+    assert report["disconnected_mid_stream"] > 0
+    assert report["errors_by_cause"] == {}, report["errors_by_cause"]
+    assert report["probe_ok"]
+    # Finished and aborted requests (and ended drill faults) left no entry in any guard table.
+    assert report["idle_entries"] == dict.fromkeys(report["idle_entries"], 0.0), report["idle_entries"]
+    assert set(report["idle_entries"]) >= {"requests", "blocks_given", "read_windows", "affected"}
+    # Drill faults still waiting for a reader of their page are exactly the log's unended ones.
+    assert report["idle_faults_awaiting_reader"] == report["guard"]["faults_pending"]
+    # Fixed tables stay their size; the metrics' label sets do not grow with traffic.
+    assert report["state_bytes"]["scheduler"] > 0 and report["state_bytes"]["worker"] > 0
+    assert report["drift"]["bytes_scheduler"] == 0 and report["drift"]["bytes_worker"] == 0
+    first, last = report["series_first_last"]
+    assert first == last and last > 0
+    assert report["guard"]["faults_injected"] > 0 and report["guard"]["internal_errors"] == 0
+    rows = (tmp_path / "soak_samples.csv").read_text().splitlines()
+    assert len(rows) == report["samples"] + 2  # header, samples, the final one
