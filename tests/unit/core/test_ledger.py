@@ -235,8 +235,8 @@ def test_last_good_step_is_the_seal_or_verification_before_the_detection() -> No
 
 def test_footprint_returns_to_zero_when_requests_end() -> None:
     ledger = BlockLedger(64, BS)
-    ledger.plan([req("a", 0, 10, True, [1, 2, 3], [1, 2, 3]), req("b", 0, 5, True, [4, 5], [4, 5])], 2)
-    ledger.plan([req("a", 10, 1, False, [], [1, 2, 3]), req("b", 5, 1, False, [], [4, 5])], 2)
+    ledger.plan([req("a", 0, 10, True, [1, 2, 3], [1, 2, 3]), req("b", 0, 5, True, [4, 5], [4, 5])], 1)
+    ledger.plan([req("a", 10, 1, False, [], [1, 2, 3]), req("b", 5, 1, False, [], [4, 5])], 1)
     busy = ledger.footprint()
     assert busy["requests"] == 2 and busy["blocks_given"] == 5 and busy["read_windows"] >= 1
     size = ledger.nbytes()
