@@ -1,7 +1,7 @@
 # The README's commands. `make demo` sets up and runs the fire drill; `make test` runs the tests.
 PY := .venv/bin/python
 
-.PHONY: setup demo test unit lint package bench vllm034
+.PHONY: setup demo test unit lint package bench vllm034 load soak
 
 setup:
 	bash scripts/setup.sh
@@ -30,3 +30,11 @@ lint:
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
 	.venv/bin/lint-imports
+
+# Under load, with a real client (docs/reliability.md): guard off vs on, then drill faults at a
+# steady rate in quarantine and log mode (~12 min). The soak: 30 minutes of traffic, memory sampled.
+load: setup
+	$(PY) benchmarks/load.py --workdir .cache/load
+
+soak: setup
+	$(PY) benchmarks/soak.py --minutes 30 --faults "bitflip:rate=0.01,seed=1" --plot --workdir .cache/soak

@@ -121,7 +121,9 @@ def faulted(
     model: str, work: Path, mode: str, prompts: list[str], ref: dict[int, str], args: argparse.Namespace
 ) -> dict[str, Any]:
     guard = {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_MODE": mode, "VLLM_KVGUARD_INJECT": args.faults}
-    with serve(model, work, guard, args=SERVER_ARGS, name=f"faults-{mode}") as server:
+    with serve(
+        model, work, guard, args=(*SERVER_ARGS, "--dtype", args.dtype), name=f"faults-{mode}"
+    ) as server:
         start = time.monotonic()
         responses = loadgen.run(
             server.base, prompts, concurrency=args.concurrency, seconds=args.phase_seconds,
@@ -143,6 +145,9 @@ def faulted(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(ROOT / ".cache" / "tiny-model"))
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="model dtype (default float32)"
+    )
     p.add_argument("--concurrency", type=int, default=48)
     p.add_argument("--phase-seconds", type=float, default=120.0)
     p.add_argument("--round-seconds", type=float, default=10.0)
@@ -169,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm_kvguard.tools.tinymodel import build_tiny_model
 
+    server_args = (*SERVER_ARGS, "--dtype", args.dtype)
     model = str(build_tiny_model(Path(args.model))) if args.model.endswith("tiny-model") else args.model
     with contextlib.ExitStack() as stack:
         work = (
@@ -184,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         t0 = time.monotonic()
         with (
-            serve(model, work, {"VLLM_KVGUARD": "0"}, args=SERVER_ARGS, name="off") as off,
-            serve(model, work, {"VLLM_KVGUARD": "1"}, args=SERVER_ARGS, name="on") as on,
+            serve(model, work, {"VLLM_KVGUARD": "0"}, args=server_args, name="off") as off,
+            serve(model, work, {"VLLM_KVGUARD": "1"}, args=server_args, name="on") as on,
         ):
             print(f"servers up in {time.monotonic() - t0:.0f}s; reference run", file=sys.stderr, flush=True)
             ref = _reference(off, prompts, args.concurrency)

@@ -186,6 +186,7 @@ def verdicts(responses: Sequence[Response], reference: dict[int, str]) -> dict[s
     is the count the contract says must be 0."""
     c: Counter[str] = Counter()
     causes: Counter[str] = Counter()
+    wrong: list[dict[str, Any]] = []
     for r in responses:
         if r.cause == "disconnected":
             c["disconnected"] += 1
@@ -198,11 +199,16 @@ def verdicts(responses: Sequence[Response], reference: dict[int, str]) -> dict[s
             c["flagged_different"] += 1
         else:
             c["silent_wrong"] += 1
+            if len(wrong) < 10:
+                wrong.append(
+                    {"prompt": r.prompt, "stream": r.stream, "expected": reference[r.prompt], "got": r.text}
+                )
     return {
         "requests": len(responses),
         **{k: c[k] for k in ("same", "flagged_same", "flagged_different", "errored", "disconnected")},
         "silent_wrong": c["silent_wrong"],
         "errors_by_cause": dict(causes),
+        "silent_wrong_examples": wrong,
     }
 
 

@@ -121,6 +121,9 @@ def plot(samples: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(ROOT / ".cache" / "tiny-model"))
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="model dtype (default float32)"
+    )
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--sample-seconds", type=float, default=30.0)
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         )
         work.mkdir(parents=True, exist_ok=True)
-        with serve(model, work, guard, args=SERVER_ARGS, name="soak") as server:
+        with serve(model, work, guard, args=(*SERVER_ARGS, "--dtype", args.dtype), name="soak") as server:
             t0 = time.monotonic()
             samples = [sample(server, t0)]
             responses: list[loadgen.Response] = []
