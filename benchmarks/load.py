@@ -36,9 +36,7 @@ import loadgen
 
 from vllm_kvguard.tools.server import Server, serve
 
-ROOT = Path(__file__).resolve().parents[1]
 FAULTS = "bitflip:rate=0.01,seed=1;zero:rate=0.01,seed=2;overwrite:rate=0.01,seed=3"
-SERVER_ARGS = ("--max-num-seqs", "64", "--max-num-batched-tokens", "2048")
 
 
 def guard_events(log: Path) -> Counter[str]:
@@ -121,9 +119,7 @@ def faulted(
     model: str, work: Path, mode: str, prompts: list[str], ref: dict[int, str], args: argparse.Namespace
 ) -> dict[str, Any]:
     guard = {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_MODE": mode, "VLLM_KVGUARD_INJECT": args.faults}
-    with serve(
-        model, work, guard, args=(*SERVER_ARGS, "--dtype", args.dtype), name=f"faults-{mode}"
-    ) as server:
+    with serve(model, work, guard, args=args.server_args, name=f"faults-{mode}") as server:
         start = time.monotonic()
         responses = loadgen.run(
             server.base, prompts, concurrency=args.concurrency, seconds=args.phase_seconds,
@@ -143,18 +139,12 @@ def faulted(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(ROOT / ".cache" / "tiny-model"))
-    p.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16"), help="model dtype (default float32)"
-    )
+    p = loadgen.parser(__doc__ or "")
     p.add_argument("--concurrency", type=int, default=48)
     p.add_argument("--phase-seconds", type=float, default=120.0)
     p.add_argument("--round-seconds", type=float, default=10.0)
     p.add_argument("--faults", default=FAULTS, help=f"drill spec (VLLM_KVGUARD_INJECT), default {FAULTS}")
     p.add_argument("--modes", default="quarantine,log", help="guard modes for the fault phase")
-    p.add_argument("--workdir", default=None)
-    p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if not 1 <= args.concurrency <= 256:
         p.error(f"--concurrency {args.concurrency}: 1..256")
@@ -164,18 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     for m in modes:
         if m not in ("quarantine", "raise", "log"):
             p.error(f"--modes: {m!r} is not one of quarantine, raise, log")
-    from vllm_kvguard.core.faults import parse_fault_spec
-    from vllm_kvguard.errors import KVGuardConfigError
-
-    try:
-        parse_fault_spec(args.faults, variable="--faults")
-    except KVGuardConfigError as exc:
-        p.error(str(exc))
-
-    from vllm_kvguard.tools.tinymodel import build_tiny_model
-
-    server_args = (*SERVER_ARGS, "--dtype", args.dtype)
-    model = str(build_tiny_model(Path(args.model))) if args.model.endswith("tiny-model") else args.model
+    model, server_args = loadgen.prepare(p, args, args.faults)
+    args.server_args = server_args
     with contextlib.ExitStack() as stack:
         work = (
             Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))

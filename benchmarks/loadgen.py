@@ -8,6 +8,7 @@ is bounded in count and in time.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import statistics
@@ -16,12 +17,44 @@ import urllib.parse
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import openai
 
+ROOT = Path(__file__).resolve().parents[1]
+# The servers' shapes beyond tools.server.BASE_ARGS: room for 64 running requests.
+SERVER_ARGS = ("--max-num-seqs", "64", "--max-num-batched-tokens", "2048")
 GUARD_PREFIX = "KV-cache corruption"  # vllm_kvguard.errors.KVCacheCorruptionError.PREFIX
 MAX_TOKENS = 24
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The options the load and soak scripts share: --model, --dtype, --workdir, --json."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--model", default=str(ROOT / ".cache" / "tiny-model"), help="default: the tiny model")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="default float32")
+    p.add_argument(
+        "--workdir", default=None, help="keep reports and server logs here (default: a temp folder)"
+    )
+    p.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    return p
+
+
+def prepare(p: argparse.ArgumentParser, args: argparse.Namespace, faults: str) -> tuple[str, tuple[str, ...]]:
+    """Check the drill spec (one clear error), build the tiny model if it is the default path;
+    (model path, server arguments)."""
+    from vllm_kvguard.core.faults import parse_fault_spec
+    from vllm_kvguard.errors import KVGuardConfigError
+    from vllm_kvguard.tools.tinymodel import build_tiny_model
+
+    if faults:
+        try:
+            parse_fault_spec(faults, variable="--faults")
+        except KVGuardConfigError as exc:
+            p.error(str(exc))
+    model = str(build_tiny_model(Path(args.model))) if args.model.endswith("tiny-model") else args.model
+    return model, (*SERVER_ARGS, "--dtype", args.dtype)
 
 
 def words(start: int, n: int, step: int = 7) -> str:

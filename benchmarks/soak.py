@@ -17,7 +17,6 @@ samples to ``soak_samples.csv``, and a plot to ``soak.png`` (``--plot``, needs m
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import csv
@@ -36,8 +35,6 @@ from load import guard_events
 
 from vllm_kvguard.tools.server import Server, get, serve
 
-ROOT = Path(__file__).resolve().parents[1]
-SERVER_ARGS = ("--max-num-seqs", "64", "--max-num-batched-tokens", "2048")
 # Tables that hold one entry per live request (or event awaiting its request's end): 0 when idle.
 # (``faults``, a drill's injected faults, wait for a reader of their page, request or not: at most
 # one per sealed page; ``recent_steps`` is at most 3.)
@@ -119,32 +116,16 @@ def plot(samples: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(ROOT / ".cache" / "tiny-model"))
-    p.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16"), help="model dtype (default float32)"
-    )
+    p = loadgen.parser(__doc__ or "")
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--sample-seconds", type=float, default=30.0)
     p.add_argument("--faults", default="", help="drill spec (VLLM_KVGUARD_INJECT); default none")
-    p.add_argument("--workdir", default=None)
     p.add_argument("--plot", action="store_true", help="write soak.png (needs matplotlib)")
-    p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.minutes <= 0 or args.sample_seconds <= 0 or not 1 <= args.concurrency <= 256:
         p.error("--minutes and --sample-seconds must be > 0, --concurrency 1..256")
-    if args.faults:
-        from vllm_kvguard.core.faults import parse_fault_spec
-        from vllm_kvguard.errors import KVGuardConfigError
-
-        try:
-            parse_fault_spec(args.faults, variable="--faults")
-        except KVGuardConfigError as exc:
-            p.error(str(exc))
-    from vllm_kvguard.tools.tinymodel import build_tiny_model
-
-    model = str(build_tiny_model(Path(args.model))) if args.model.endswith("tiny-model") else args.model
+    model, server_args = loadgen.prepare(p, args, args.faults)
     prompts = loadgen.prompt_mix(prefixes=12, per_prefix=16, seed=3)
     guard = {"VLLM_KVGUARD": "1", **({"VLLM_KVGUARD_INJECT": args.faults} if args.faults else {})}
     with contextlib.ExitStack() as stack:
@@ -152,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         )
         work.mkdir(parents=True, exist_ok=True)
-        with serve(model, work, guard, args=(*SERVER_ARGS, "--dtype", args.dtype), name="soak") as server:
+        with serve(model, work, guard, args=server_args, name="soak") as server:
             t0 = time.monotonic()
             samples = [sample(server, t0)]
             responses: list[loadgen.Response] = []
