@@ -34,14 +34,10 @@ class KVGuardStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         delta = GuardCounters.from_dict(self.data)
-        out: dict[str, int | float] = dict(delta.counts)
-        for key, labels in delta.labelled.items():
+        out: dict[str, int | float] = {**delta.counts, **delta.gauges}
+        for key, labels in [*delta.labelled.items(), *delta.labelled_gauges.items()]:
             for label, n in labels.items():
                 out[f"{key}_{label}"] = n
-        out.update(delta.gauges)
-        for key, labels in delta.labelled_gauges.items():
-            for label, v in labels.items():
-                out[f"{key}_{label}"] = v
         return out
 
     def is_empty(self) -> bool:
