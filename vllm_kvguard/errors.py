@@ -62,6 +62,22 @@ class KVCacheCorruptionError(RuntimeError):
             + cls._ending(outcome, "a page another request wrote")
         )
 
+    @classmethod
+    def describe_identity(cls, block_id: int, position: int, sealed_by: str, outcome: str = "failed") -> str:
+        return (
+            f"{cls.PREFIX}: block {block_id} (layer all) identity mismatch: this request's prefix-cache "
+            f"hit at page {position} was served a page sealed for other inputs (request {sealed_by})"
+            + cls._ending(outcome, "another prompt's KV")
+        )
+
+    @classmethod
+    def describe_write_lost(cls, block_id: int, slots: tuple[int, ...], outcome: str = "failed") -> str:
+        return (
+            f"{cls.PREFIX}: block {block_id} (layer all) write lost: slots {list(slots)} still hold the "
+            "previous owner's KV after this request's forward wrote them"
+            + cls._ending(outcome, "another request's KV")
+        )
+
     @staticmethod
     def _ending(outcome: str, source: str) -> str:
         if outcome == "suspect":

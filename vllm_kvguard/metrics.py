@@ -60,10 +60,12 @@ SERIES = (
         "corruptions",
         "vllm:kvguard_corruptions_detected",
         "counter",
-        "Corrupted KV blocks detected, by kind (checksum_mismatch: changed after it was sealed; "
-        "nonfinite: NaN/Inf in a page as it was sealed).",
+        "Corrupted KV blocks detected, by kind (checksum_mismatch: changed after it was written; "
+        "nonfinite: NaN/Inf in a page as it was sealed; identity_mismatch: a prefix-cache hit on a "
+        "page sealed for other inputs; write_lost: slots still holding the previous owner's KV "
+        "after a forward wrote them).",
         "kind",
-        ("checksum_mismatch", "nonfinite"),
+        ("checksum_mismatch", "nonfinite", "identity_mismatch", "write_lost"),
     ),
     Series(
         "lifecycle_violations",

@@ -249,10 +249,12 @@ class KVGuardConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         return 0, False
 
+    @fail_open(lambda self: None)
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        return
+        if self.scheduler is not None:
+            self.scheduler.note_request(request)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         assert self.scheduler is not None

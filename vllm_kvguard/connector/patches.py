@@ -133,6 +133,9 @@ def fail_requests(scheduler: Any, failures: dict[str, str], outputs: dict[int, A
         engine_outputs = outputs.get(request.client_index)
         if engine_outputs is None:
             engine_outputs = outputs[request.client_index] = EngineCoreOutputs(outputs=[])
+        # Tokens this step sampled for it were computed from the data it is ended for: they
+        # do not leave the engine.
+        engine_outputs.outputs[:] = [o for o in engine_outputs.outputs if o.request_id != request.request_id]
         engine_outputs.outputs.append(
             EngineCoreOutput(
                 request_id=request.request_id,

@@ -18,6 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import torch
+
 from vllm_kvguard.config import KVGuardConfig, Mode, VerifyPolicy
 from vllm_kvguard.connector.metadata import KVGuardMetadata, KVGuardWorkerMetadata, guard_worker_meta
 from vllm_kvguard.core import policy
@@ -31,13 +34,21 @@ from vllm_kvguard.core.events import (
     FaultInjected,
     FaultOutcome,
     GuardStarted,
+    IdentityMismatchFound,
     LifecycleViolationFound,
     RequestAffected,
 )
 from vllm_kvguard.core.faults import FaultSite, FaultTracker, parse_fault_spec
-from vllm_kvguard.core.ledger import BlockLedger, LifecycleViolation, ScheduledRequest, StepPlan
+from vllm_kvguard.core.ledger import (
+    BlockLedger,
+    IdentityMismatch,
+    LifecycleViolation,
+    ScheduledRequest,
+    StepPlan,
+)
 from vllm_kvguard.core.scrub import Scrubber
 from vllm_kvguard.core.shapes import Shape
+from vllm_kvguard.digest.identity import Media, PageIdentity, RequestInputs, context_bytes
 from vllm_kvguard.errors import KVCacheCorruptionError
 from vllm_kvguard.logs import GuardLog, power_of_two
 from vllm_kvguard.metrics import StandaloneExporter
@@ -46,6 +57,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,37 @@ def scheduled_requests(so: SchedulerOutput, block_size: int, manager: Any) -> li
     return out
 
 
+def request_inputs(request: Request) -> RequestInputs:
+    """What a request's pages are computed from, read from vLLM's ``Request`` by the guard
+    itself (digest/identity.py): its live token list, LoRA adapter (name and path), cache
+    salt, multimodal inputs and prompt embeddings."""
+    lora = getattr(request, "lora_request", None)
+    adapter = None
+    if lora is not None:
+        adapter = f"{getattr(lora, 'lora_name', '')}#{getattr(lora, 'lora_int_id', '')}#" + str(
+            getattr(lora, "lora_path", "") or getattr(lora, "path", "")
+        )
+    media = tuple(
+        Media(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
+        for f in getattr(request, "mm_features", None) or ()
+        if getattr(f, "mm_position", None) is not None
+    )
+    embeds_tensor = getattr(request, "prompt_embeds", None)
+    embeds = None
+    if embeds_tensor is not None:
+
+        def embeds(start: int, end: int) -> bytes:
+            rows = embeds_tensor[start:end].detach().to("cpu").contiguous()
+            return bytes(rows.view(-1).view(torch.uint8).numpy()) if rows.numel() else b""
+
+    return RequestInputs(
+        request.all_token_ids,
+        context_bytes(lora=adapter, salt=getattr(request, "cache_salt", None)),
+        media,
+        embeds,
+    )
+
+
 class KVGuardScheduler:
     def __init__(
         self,
@@ -127,6 +170,8 @@ class KVGuardScheduler:
         self.block_pool: BlockPool | None = None
         self.kv_cache_manager: KVCacheManager | None = None
         self.ledger = BlockLedger(num_blocks, block_size)
+        # Each live request's page fingerprints (what its pages hold), checked on every hit.
+        self.identity = PageIdentity(block_size)
         self.faults = FaultTracker(parse_fault_spec(config.inject)) if config.inject else None
         self.quarantine_limit = policy.quarantine_limit(config.quarantine_max_fraction, num_blocks)
         # The message each failed or flagged request's final output carries in stop_reason
@@ -207,6 +252,8 @@ class KVGuardScheduler:
         self._recent[plan.step] = requests
         self._recent.pop(plan.step - 3, None)
         self.counters.add("sealed", len(plan.seal))
+        if plan.sealed_pages or plan.hit_pages:
+            self._check_identity(plan, meta)
         if self.scrubber is not None:
             self._plan_scrub(meta, now)
         if self._invalidate_next:
@@ -218,6 +265,71 @@ class KVGuardScheduler:
         if self.faults is not None:
             self._plan_faults(plan, meta)
         return meta
+
+    # ------------------------------------------------------------------ page identity
+
+    def note_request(self, request: Request) -> None:
+        """A request scheduled from the waiting queue (new or resumed): read its inputs once."""
+        if request.request_id not in self.identity.requests:
+            self.identity.add(request.request_id, request_inputs(request))
+
+    def _check_identity(self, plan: StepPlan, meta: KVGuardMetadata) -> None:
+        """Record what each page sealed this step holds; check every prefix-cache hit against
+        the reader's own fingerprint for that position, before the forward that reads it."""
+        for req_id, positions, blocks in plan.sealed_pages:
+            self.ledger.record_identity(req_id, blocks, self.identity.fingerprints(req_id, positions))
+        found: list[IdentityMismatch] = []
+        hits: dict[str, int] = {}
+        for req_id, blocks in plan.hit_pages:
+            fingerprints = self.identity.fingerprints(req_id, np.arange(len(blocks)))
+            mismatches = self.ledger.identity_mismatches(req_id, blocks, fingerprints)
+            if mismatches:
+                found.extend(mismatches)
+                hits[req_id] = len(blocks)
+        if found:
+            self._handle_identity(found, hits, meta)
+
+    def _handle_identity(
+        self, found: list[IdentityMismatch], hits: dict[str, int], meta: KVGuardMetadata
+    ) -> None:
+        by_block: dict[int, list[IdentityMismatch]] = defaultdict(list)
+        for m in found:
+            by_block[m.block_id].append(m)
+        for block, mismatches in sorted(by_block.items()):
+            readers = {m.req_id for m in mismatches}
+            others = [h for h in self.ledger.holders_of(block) if h not in readers]
+            decision = policy.on_identity_mismatch(self.config.mode, shared=bool(others))
+            self.counters.add("corruptions", label="identity_mismatch")
+            if decision.evict:
+                self._evict_from_cache(block, dict.fromkeys(sorted(readers)))
+            if decision.invalidate:
+                meta.invalidate.append(block)
+                self.ledger.forget_identity([block])
+            for m in mismatches:
+                self.log.event(
+                    "kv_block_identity_mismatch",
+                    IdentityMismatchFound(
+                        block_id=block,
+                        position=m.position,
+                        request_id=m.req_id,
+                        sealed_by=m.sealed_by,
+                        expected_fingerprint=f"{m.expected:016x}",
+                        found_fingerprint=f"{m.found:016x}",
+                        other_holders=len(others),
+                        action=decision.action,
+                        step=self.ledger.step,
+                        reason=decision.reason,
+                    ),
+                    level="error",
+                )
+                if decision.outcome == policy.HEALED:
+                    self.counters.add(
+                        "tokens_recomputed", (hits.get(m.req_id, 0) - m.position) * self.block_size
+                    )
+                message = KVCacheCorruptionError.describe_identity(
+                    block, m.position, m.sealed_by, decision.outcome
+                )
+                self._affect(m.req_id, block, decision.outcome, message, end=not decision.invalidate)
 
     def _plan_scrub(self, meta: KVGuardMetadata, now: float) -> None:
         assert self.scrubber is not None
@@ -247,6 +359,7 @@ class KVGuardScheduler:
             "pending_failures": len(self.pending_failures),
             "recent_steps": len(self._recent),
             "faults": self.faults.footprint() if self.faults is not None else 0,
+            "identities": len(self.identity.requests),
         }
 
     def _report_state(self) -> None:
@@ -599,6 +712,7 @@ class KVGuardScheduler:
 
     def request_finished(self, req_id: str) -> None:
         self.ledger.release_request(req_id)
+        self.identity.drop(req_id)
         self._nonfinite_recomputes.pop(req_id, None)
         affected = self._affected.pop(req_id, None)
         if affected is not None:

@@ -23,6 +23,7 @@ STATE_TABLES = (
     "pending_failures",
     "recent_steps",
     "faults",
+    "identities",
 )
 
 

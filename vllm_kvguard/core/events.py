@@ -99,6 +99,37 @@ class LifecycleViolationFound:
 
 
 @dataclass(frozen=True)
+class IdentityMismatchFound:
+    """A prefix-cache hit on a page sealed for other inputs (``kv_block_identity_mismatch``):
+    the page is intact but holds another prompt's KV (a block-hash bug or collision)."""
+
+    block_id: int
+    position: int  # the page's index in the reader's block table
+    request_id: str  # the reader
+    sealed_by: str  # the request whose inputs the page was sealed for
+    expected_fingerprint: str  # the reader's own fingerprint for that position
+    found_fingerprint: str  # the page's, from its seal
+    other_holders: int  # live requests besides the mismatched readers that hold the page
+    action: Action
+    step: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class WriteLost:
+    """Slots of a page that still hold what the page's previous owner wrote after this owner's
+    forward wrote them (``kv_block_write_lost``): the write went elsewhere (a stale slot
+    mapping) or never happened."""
+
+    block_id: int
+    slots: tuple[int, ...]
+    request_ids: tuple[str, ...]
+    previous_owner: str
+    action: Action
+    step: int
+
+
+@dataclass(frozen=True)
 class BlockQuarantined:
     block_id: int
     quarantined_total: int

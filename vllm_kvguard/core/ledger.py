@@ -61,6 +61,10 @@ class StepPlan:
     readers: dict[int, list[str]] = field(default_factory=dict)
     read_verify: list[int] = field(default_factory=list)
     unverified_hits: int = 0
+    # Page identity (connector/scheduler.py): per request, the positions in its block table
+    # and the blocks of the pages it sealed this step, and of the prefix-cache hits it reads.
+    sealed_pages: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)
+    hit_pages: list[tuple[str, np.ndarray]] = field(default_factory=list)
 
 
 class Violation(StrEnum):
@@ -70,6 +74,22 @@ class Violation(StrEnum):
     QUARANTINED_ALLOCATED = "quarantined_block_allocated"
     QUARANTINED_REUSED = "quarantined_block_reused"
     FREE_BLOCK_READ = "free_block_in_block_table"  # stale block table
+
+
+@dataclass(frozen=True)
+class IdentityMismatch:
+    """A prefix-cache hit on a page sealed for other inputs (``kv_block_identity_mismatch``).
+
+    ``position``: the page's index in the reader's block table; ``expected``: the reader's
+    own fingerprint for that position; ``found``: the fingerprint the page was sealed with,
+    by ``sealed_by``."""
+
+    block_id: int
+    position: int
+    req_id: str
+    expected: int
+    found: int
+    sealed_by: str
 
 
 @dataclass(frozen=True)
@@ -101,6 +121,9 @@ class BlockLedger:
         # How many live requests hold each block in their block table (given or hit): a
         # block handed out while one does is a use-after-free, full pages included.
         self.held = np.zeros(num_blocks, dtype=np.int32)
+        # What each sealed page holds (digest/identity.py; 0: unknown) and who sealed it.
+        self.fingerprint = np.zeros(num_blocks, dtype=np.uint64)
+        self.sealed_by = np.full(num_blocks, "", dtype=object)
         # Who writes each FILLING block (an interned request number, -1: nobody), and the
         # blocks each request was given: the lifecycle audit. Arrays, so that a step's
         # allocations and seals are a few numpy calls per request, not Python per block.
@@ -167,14 +190,19 @@ class BlockLedger:
                 continue
             table = req.block_ids()
             if hits:
-                self._hit(req.req_id, np.asarray(table[:hits], dtype=np.int64), plan)
+                hit = np.asarray(table[:hits], dtype=np.int64)
+                self._hit(req.req_id, hit, plan)
+                plan.hit_pages.append((req.req_id, hit))
             if last_sealed > first_sealed:
                 blocks = np.asarray(table[first_sealed:last_sealed], dtype=np.int64)
-                blocks = blocks[state[blocks] != BlockState.QUARANTINED]
+                keep = state[blocks] != BlockState.QUARANTINED
+                blocks = blocks[keep]
                 state[blocks] = BlockState.SEALED
                 self.generation[blocks] += 1
                 self.writer_of[blocks] = -1
                 plan.seal.extend(blocks.tolist())
+                positions = np.arange(first_sealed, last_sealed, dtype=np.int64)[keep]
+                plan.sealed_pages.append((req.req_id, positions, blocks))
         if plan.seal or plan.verify:
             self.mark_verified(plan.seal + plan.verify, now)
         if read_budget != 0:
@@ -213,6 +241,7 @@ class BlockLedger:
     def _own(self, blocks: np.ndarray, req_id: str) -> None:
         number = self._number(req_id)
         self.state[blocks] = BlockState.FILLING
+        self.fingerprint[blocks] = 0
         self.writer_of[blocks] = number
         self._hold(number, blocks)
 
@@ -363,6 +392,29 @@ class BlockLedger:
         ids = ids[np.sort(first)]
         self.mark_verified(ids, now)
         return ids.tolist()
+
+    def record_identity(self, req_id: str, blocks: np.ndarray, fingerprints: np.ndarray) -> None:
+        """The fingerprints of pages ``req_id`` sealed (0 where not known)."""
+        self.fingerprint[blocks] = fingerprints
+        self.sealed_by[blocks] = req_id
+
+    def identity_mismatches(
+        self, req_id: str, blocks: np.ndarray, fingerprints: np.ndarray
+    ) -> list[IdentityMismatch]:
+        """Hits of ``req_id`` (its pages 0.. in ``blocks``, its own ``fingerprints`` for them)
+        on pages sealed for other inputs. One numpy compare; unknown (0) on either side passes."""
+        found = self.fingerprint[blocks]
+        bad = (found != fingerprints) & (found != 0) & (fingerprints != 0)
+        return [
+            IdentityMismatch(
+                int(blocks[i]), i, req_id, int(fingerprints[i]), int(found[i]), str(self.sealed_by[blocks[i]])
+            )
+            for i in np.flatnonzero(bad).tolist()
+        ]
+
+    def forget_identity(self, block_ids: Sequence[int]) -> None:
+        """A page whose content is no longer what it was sealed for (being recomputed)."""
+        self.fingerprint[np.asarray(block_ids, dtype=np.int64)] = 0
 
     def quarantine(self, block_ids: Iterable[int]) -> list[int]:
         """Mark blocks quarantined; return those that were not already."""

@@ -153,6 +153,44 @@ def on_violation(mode: Mode, what: Violation, has_holder: bool) -> Decision:
     return Decision(Action.RECOMPUTED, HEALED, invalidate=True, subject=subject)
 
 
+SHARED_IDENTITY = (
+    "another live request holds the page for its own inputs: recomputing the reader into it "
+    "would overwrite that request's KV (and vLLM would let the reader keep the page), so the "
+    "reader is ended"
+)
+
+
+def on_identity_mismatch(mode: Mode, *, shared: bool) -> Decision:
+    """A request hit a page sealed for other inputs (the page itself is intact).
+
+    The page leaves the prefix cache with every page the reader computed from it. When the
+    mismatched readers alone hold the page, it is reported unreadable: vLLM recomputes them
+    into it (quarantine) or fails them (raise). When another request holds it for its own
+    inputs (``shared``), reporting it would make vLLM recompute the first holder it finds,
+    which may be the page's rightful owner, and leave the reader reading it: the readers are
+    ended by the guard instead (quarantine and raise). Log mode flags the readers.
+    """
+    if mode == Mode.LOG:
+        return Decision(Action.LOGGED, SUSPECT)
+    if shared:
+        return Decision(Action.REQUESTS_FAILED, FAILED, evict=True, fail_readers=True, reason=SHARED_IDENTITY)
+    if mode == Mode.RAISE:
+        return Decision(Action.REQUESTS_FAILED, FAILED, evict=True, invalidate=True, fail_readers=True)
+    return Decision(Action.RECOMPUTED, HEALED, evict=True, invalidate=True)
+
+
+def on_write_lost(mode: Mode) -> Decision:
+    """Slots of a page being written still hold the previous owner's rows after the forward
+    that wrote them. The writer's own later tokens were computed with those slots: report
+    the block unreadable so that vLLM recomputes the writer (quarantine) or fails it (raise)
+    from that page on, and keep what was computed from it out of the prefix cache."""
+    if mode == Mode.LOG:
+        return Decision(Action.LOGGED, SUSPECT)
+    if mode == Mode.RAISE:
+        return Decision(Action.REQUESTS_FAILED, FAILED, evict=True, invalidate=True, fail_readers=True)
+    return Decision(Action.RECOMPUTED, HEALED, evict=True, invalidate=True)
+
+
 def quarantine_limit(max_fraction: float, num_blocks: int) -> int:
     """How many blocks the quarantine may pin (``VLLM_KVGUARD_QUARANTINE_MAX_FRACTION``)."""
     return max(1, int(max_fraction * num_blocks)) if max_fraction > 0 else 0

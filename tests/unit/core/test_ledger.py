@@ -244,3 +244,34 @@ def test_footprint_returns_to_zero_when_requests_end() -> None:
     ledger.release_request("b")  # finished or aborted: vLLM calls request_finished for both
     assert ledger.footprint() == {"requests": 0, "blocks_given": 0, "read_windows": 0}
     assert ledger.live_requests() == 0 and ledger.nbytes() == size > 64 * 8
+
+
+def test_plan_lists_sealed_pages_and_hits_by_position_for_the_identity_check() -> None:
+    ledger = BlockLedger(16, BS)
+    plan = ledger.plan([req("a", 0, 9, True, [1, 2, 3], [1, 2, 3])])
+    ((owner, positions, blocks),) = plan.sealed_pages
+    assert owner == "a" and positions.tolist() == [0, 1] and blocks.tolist() == [1, 2]
+    plan = ledger.plan([req("a", 9, 3, False, [], [1, 2, 3])])
+    assert [(o, p.tolist(), b.tolist()) for o, p, b in plan.sealed_pages] == [("a", [2], [3])]
+    plan = ledger.plan([req("b", 8, 1, True, [4], [1, 2, 4])])
+    assert [(r, b.tolist()) for r, b in plan.hit_pages] == [("b", [1, 2])]
+
+
+def test_identity_mismatch_names_block_position_both_requests_and_fingerprints() -> None:
+    import numpy as np
+
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 8, True, [1, 2], [1, 2])])
+    ledger.record_identity("a", np.array([1, 2]), np.array([11, 12], dtype=np.uint64))
+    same = ledger.identity_mismatches("b", np.array([1, 2]), np.array([11, 12], dtype=np.uint64))
+    assert same == []
+    (m,) = ledger.identity_mismatches("b", np.array([1, 2]), np.array([11, 99], dtype=np.uint64))
+    assert (m.block_id, m.position, m.req_id, m.expected, m.found, m.sealed_by) == (2, 1, "b", 99, 12, "a")
+    # Unknown on either side (0) is never a mismatch.
+    assert ledger.identity_mismatches("b", np.array([1, 2]), np.array([0, 0], dtype=np.uint64)) == []
+    # A block handed to a new writer holds nothing sealed: its fingerprint is forgotten.
+    ledger.release_request("a")
+    ledger.plan([req("c", 0, 2, True, [2], [2])])
+    assert ledger.fingerprint[2] == 0 and ledger.fingerprint[1] == 11
+    ledger.forget_identity([1])
+    assert ledger.fingerprint[1] == 0

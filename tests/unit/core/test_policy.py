@@ -152,3 +152,45 @@ def test_repaired_page_needs_no_recompute_unless_it_was_read_unverified() -> Non
     assert not (quiet.evict or quiet.quarantine or quiet.invalidate)
     read = policy.on_repaired(Mode.QUARANTINE, read_unverified=True)
     assert read.evict and read.quarantine and not read.invalidate
+
+
+@pytest.mark.parametrize(
+    ("mode", "shared", "action", "outcome", "evict", "invalidate", "fail"),
+    [
+        (Mode.QUARANTINE, False, Action.RECOMPUTED, "healed", True, True, False),
+        # Another request holds the page for its own inputs: recomputing into it would
+        # overwrite that request's KV; the reader is ended instead.
+        (Mode.QUARANTINE, True, Action.REQUESTS_FAILED, "failed", True, False, True),
+        (Mode.RAISE, False, Action.REQUESTS_FAILED, "failed", True, True, True),
+        (Mode.RAISE, True, Action.REQUESTS_FAILED, "failed", True, False, True),
+        (Mode.LOG, False, Action.LOGGED, "suspect", False, False, False),
+        (Mode.LOG, True, Action.LOGGED, "suspect", False, False, False),
+    ],
+)
+def test_identity_mismatch(
+    mode: Mode, shared: bool, action: Action, outcome: str, evict: bool, invalidate: bool, fail: bool
+) -> None:
+    d = policy.on_identity_mismatch(mode, shared=shared)
+    assert (d.action, d.outcome, d.evict, d.invalidate, d.fail_readers) == (
+        action,
+        outcome,
+        evict,
+        invalidate,
+        fail,
+    )
+    assert not d.quarantine, "the page is intact: nothing to hold out"
+    assert bool(d.reason) == (shared and mode != Mode.LOG)
+
+
+@pytest.mark.parametrize(
+    ("mode", "action", "outcome", "invalidate"),
+    [
+        (Mode.QUARANTINE, Action.RECOMPUTED, "healed", True),
+        (Mode.RAISE, Action.REQUESTS_FAILED, "failed", True),
+        (Mode.LOG, Action.LOGGED, "suspect", False),
+    ],
+)
+def test_write_lost(mode: Mode, action: Action, outcome: str, invalidate: bool) -> None:
+    d = policy.on_write_lost(mode)
+    assert (d.action, d.outcome, d.invalidate) == (action, outcome, invalidate)
+    assert not d.quarantine

@@ -1,0 +1,56 @@
+"""Page fingerprints (digest/identity.py): chained, keyed by every input, computed once."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_kvguard.digest.identity import Media, PageIdentity, RequestInputs, context_bytes
+
+BS = 4
+
+
+def fps(inputs: RequestInputs, pages: int) -> list[int]:
+    identity = PageIdentity(BS)
+    identity.add("r", inputs)
+    return identity.fingerprints("r", np.arange(pages)).tolist()
+
+
+def test_same_inputs_same_fingerprints_and_every_page_known() -> None:
+    a = fps(RequestInputs(list(range(12))), 3)
+    assert a == fps(RequestInputs(list(range(12))), 3)
+    assert all(a) and len(set(a)) == 3
+
+
+def test_fingerprints_chain_from_the_first_token() -> None:
+    a = fps(RequestInputs([1, 2, 3, 4, 5, 6, 7, 8]), 2)
+    b = fps(RequestInputs([9, 2, 3, 4, 5, 6, 7, 8]), 2)
+    # Page 1 holds the same tokens, computed after a different page 0: not the same KV.
+    assert a[0] != b[0] and a[1] != b[1]
+
+
+def test_every_input_vllm_must_key_pages_by_changes_the_fingerprint() -> None:
+    tokens = list(range(8))
+    base = fps(RequestInputs(tokens), 2)
+    salted = fps(RequestInputs(tokens, context_bytes(salt="tenant-1")), 2)
+    lora = fps(RequestInputs(tokens, context_bytes(lora="adapter#1#/p")), 2)
+    # An image whose placeholder tokens start in page 1: page 0 is unchanged.
+    image = fps(RequestInputs(tokens, media=(Media("img-hash", 5, 2),)), 2)
+    other_image = fps(RequestInputs(tokens, media=(Media("img-hash-2", 5, 2),)), 2)
+    embeds = fps(RequestInputs(tokens, embeds=lambda s, e: bytes(range(s, e))), 2)
+    assert len({base[0], salted[0], lora[0], embeds[0]}) == 4
+    assert image[0] == base[0] and image[1] != base[1] and other_image[1] != image[1]
+
+
+def test_pages_not_yet_written_are_unknown_and_computed_once() -> None:
+    tokens = list(range(6))  # one full page, half of the next
+    identity = PageIdentity(BS)
+    identity.add("r", RequestInputs(tokens))
+    first = identity.fingerprints("r", [0, 1])
+    assert first[0] != 0 and first[1] == 0
+    tokens.extend([6, 7])  # the request's live token list grows
+    second = identity.fingerprints("r", [1, 0])
+    assert second[1] == first[0] and second[0] != 0
+    assert identity.requests["r"].pages[0] == first[0]
+    assert identity.fingerprints("unknown", [0]).tolist() == [0]
+    identity.drop("r")
+    assert identity.requests == {}

@@ -1,0 +1,107 @@
+"""Page identity: what a full KV page is supposed to hold, as a 64-bit fingerprint.
+
+A page's fingerprint covers the tokens of its slots and every input vLLM must key a
+cached page by besides them (LoRA adapter, cache salt, multimodal inputs placed in
+the page, prompt embeddings), chained to the fingerprint of the page before it: two
+pages have the same fingerprint only if they were computed from the same inputs
+from the first token on. It is the guard's own reading of the request with its own
+hash (XXH3-64 keyed by the parent fingerprint), never vLLM's block hash, so a bug in
+vLLM's hashing (a missing salt, a LoRA id or multimodal hash left out, a collision)
+cannot hide from it.
+
+0 means "unknown" (a page whose tokens are not all known yet): never compared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+# The chain's root (b"KVGUARD1"): the first page's parent.
+ROOT = 0x4B56_4755_4152_4431
+
+
+@dataclass(frozen=True)
+class Media:
+    """One multimodal input placed in the prompt: its content hash and token range."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass
+class RequestInputs:
+    """What a request's pages are computed from, as the guard reads it.
+
+    ``tokens`` is the request's live token list (prompt then output; it grows).
+    ``context``: inputs that apply to every page (adapter, salt), already encoded.
+    ``embeds(start, end)``: the prompt-embedding bytes of tokens [start, end), or None.
+    """
+
+    tokens: Sequence[int]
+    context: bytes = b""
+    media: tuple[Media, ...] = ()
+    embeds: Callable[[int, int], bytes] | None = None
+    pages: list[int] = field(default_factory=list)
+
+
+def context_bytes(*, lora: str | None = None, salt: str | None = None) -> bytes:
+    """The per-request part of every page's fingerprint."""
+    parts = []
+    if lora is not None:
+        parts.append(f"lora={lora}")
+    if salt is not None:
+        parts.append(f"salt={salt}")
+    return "\x1f".join(parts).encode()
+
+
+class PageIdentity:
+    """Chained page fingerprints of live requests, each page computed once, on demand."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.requests: dict[str, RequestInputs] = {}
+
+    def add(self, req_id: str, inputs: RequestInputs) -> None:
+        self.requests[req_id] = inputs
+
+    def drop(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    def fingerprints(self, req_id: str, positions: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Fingerprints of the request's pages at ``positions`` (0: unknown), uint64."""
+        out = np.zeros(len(positions), dtype=np.uint64)
+        inputs = self.requests.get(req_id)
+        if inputs is None or not len(positions):
+            return out
+        top = int(max(positions)) + 1
+        pages = inputs.pages
+        bs = self.block_size
+        known = len(inputs.tokens) // bs
+        while len(pages) < min(top, known):
+            i = len(pages)
+            pages.append(self._page(inputs, i, pages[-1] if pages else ROOT))
+        have = np.asarray(pages, dtype=np.uint64)
+        pos = np.asarray(positions, dtype=np.int64)
+        inside = pos < len(have)
+        out[inside] = have[pos[inside]]
+        return out
+
+    def _page(self, inputs: RequestInputs, i: int, parent: int) -> int:
+        bs = self.block_size
+        start, end = i * bs, (i + 1) * bs
+        h = xxhash.xxh3_64(seed=parent)
+        h.update(np.asarray(inputs.tokens[start:end], dtype=np.int64).tobytes())
+        h.update(b"\x1e")
+        h.update(inputs.context)
+        for m in inputs.media:
+            if m.offset < end and m.offset + m.length > start:
+                h.update(f"\x1d{m.identifier}@{m.offset - start}+{m.length}".encode())
+        if inputs.embeds is not None:
+            h.update(b"\x1c")
+            h.update(inputs.embeds(start, end))
+        return h.intdigest() or 1
