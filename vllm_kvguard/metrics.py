@@ -124,7 +124,9 @@ SERIES = (
         "counter",
         "Corrupted KV blocks by the shape of the change (single_bit, single_word: one 64-bit word, "
         "located by the page's syndrome; multi_word; zeroed; nonfinite; copy_of_block: equals another "
-        "sealed page; stale: equals this block's previous seal; undiagnosed: device path).",
+        "sealed page; stale: equals this block's previous seal, or rows that still hold the previous "
+        "owner's after a forward wrote them; unfilled_rows: rows of a page not yet sealed changed; "
+        "undiagnosed: device path).",
         "shape",
         SHAPES,
     ),

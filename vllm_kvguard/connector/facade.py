@@ -173,7 +173,9 @@ class KVGuardConnector(KVConnectorBase_V1):
                 )
             self._side: _Side = self.scheduler
         else:
-            self.worker = KVGuardWorker(self.config, num_blocks, rank, log)
+            self.worker = KVGuardWorker(
+                self.config, num_blocks, rank, log, block_size=vllm_config.cache_config.block_size
+            )
             self._side = self.worker
 
     # ------------------------------------------------------------------ worker

@@ -36,6 +36,9 @@ class KVGuardMetadata(KVConnectorMetadata):
     # Pages to zero before the forward: written by requests that were failed after reading
     # a bad page, now free (their NaN/Inf must not reach the next owner's attention).
     zero: list[int] = field(default_factory=list)
+    # Blocks written this step whose previous owner wrote a different computation at that page
+    # position: a row reading back as that owner's is a lost write (digest/rows.py).
+    lost_write_check: list[int] = field(default_factory=list)
 
     @property
     def step(self) -> int:

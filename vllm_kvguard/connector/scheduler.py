@@ -37,6 +37,7 @@ from vllm_kvguard.core.events import (
     IdentityMismatchFound,
     LifecycleViolationFound,
     RequestAffected,
+    WriteLost,
 )
 from vllm_kvguard.core.faults import FaultSite, FaultTracker, parse_fault_spec
 from vllm_kvguard.core.ledger import (
@@ -149,6 +150,11 @@ def request_inputs(request: Request) -> RequestInputs:
     )
 
 
+def _slots(d: Detection) -> list[int]:
+    slots = d.where.get("slots", [])
+    return [int(s) for s in slots] if isinstance(slots, list) else []
+
+
 class KVGuardScheduler:
     def __init__(
         self,
@@ -252,8 +258,10 @@ class KVGuardScheduler:
         self._recent[plan.step] = requests
         self._recent.pop(plan.step - 3, None)
         self.counters.add("sealed", len(plan.seal))
-        if plan.sealed_pages or plan.hit_pages:
+        if plan.sealed_pages or plan.hit_pages or plan.given_pages:
             self._check_identity(plan, meta)
+        if plan.written_blocks:
+            meta.lost_write_check = self._lost_write_candidates(plan)
         if self.scrubber is not None:
             self._plan_scrub(meta, now)
         if self._invalidate_next:
@@ -276,6 +284,8 @@ class KVGuardScheduler:
     def _check_identity(self, plan: StepPlan, meta: KVGuardMetadata) -> None:
         """Record what each page sealed this step holds; check every prefix-cache hit against
         the reader's own fingerprint for that position, before the forward that reads it."""
+        for req_id, positions, blocks in plan.given_pages:
+            self.ledger.record_owners(blocks, self.identity.owner_keys(req_id, positions))
         for req_id, positions, blocks in plan.sealed_pages:
             self.ledger.record_identity(req_id, blocks, self.identity.fingerprints(req_id, positions))
         found: list[IdentityMismatch] = []
@@ -288,6 +298,13 @@ class KVGuardScheduler:
                 hits[req_id] = len(blocks)
         if found:
             self._handle_identity(found, hits, meta)
+
+    def _lost_write_candidates(self, plan: StepPlan) -> list[int]:
+        """Blocks written this step whose previous owner computed something else at that page
+        position (both known): a row that reads back as that owner's is then a lost write."""
+        blocks = np.unique(np.asarray(plan.written_blocks, dtype=np.int64))
+        now, before = self.ledger.owner_key[blocks], self.ledger.previous_key[blocks]
+        return blocks[(now != before) & (now != 0) & (before != 0)].tolist()
 
     def _handle_identity(
         self, found: list[IdentityMismatch], hits: dict[str, int], meta: KVGuardMetadata
@@ -462,12 +479,16 @@ class KVGuardScheduler:
                 self.log.line("kvguard_worker_internal_error", level="error", error=error)
         by_block: dict[int, list[Detection]] = defaultdict(list)
         nonfinite: dict[int, list[Detection]] = defaultdict(list)
+        lost: dict[int, list[Detection]] = defaultdict(list)
         for d in meta.detections:
-            (nonfinite if d.kind == "nonfinite" else by_block)[d.block_id].append(d)
+            kind = nonfinite if d.kind == "nonfinite" else lost if d.kind == "write_lost" else by_block
+            kind[d.block_id].append(d)
         for block, detections in sorted(by_block.items()):
             self._handle_corruption(block, detections)
         for block, detections in sorted(nonfinite.items()):
             self._handle_nonfinite(block, detections)
+        for block, detections in sorted(lost.items()):
+            self._handle_write_lost(block, detections)
         for d in meta.diagnosed:
             self.counters.add("shapes", label=d.shape)
             self.log.event(
@@ -511,13 +532,19 @@ class KVGuardScheduler:
         step = min(d.step for d in detections)
         # Requests whose hit of the page was verified before the forward that read it.
         hitters = {r for d in detections for r in d.readers}
-        holders = self._holders(block, step, computed=True)
+        # A page still being written (its rows, digest/rows.py): its writer holds it past the
+        # tokens it has computed.
+        unfilled = any(d.kind == "partial_mismatch" for d in detections)
+        holders = self._holders(block, step, computed=not unfilled)
         for r in hitters:
             holders.setdefault(r, None)
         readers = tuple(sorted(holders))
         # Known good at this step's seal or verification, read unverified by every forward since.
         good = self.ledger.last_good_step(block, step)
         unverified_steps = max(0, step - 1 - good) if good >= 0 else step
+        if unfilled and any(d.trigger == "seal" for d in detections):
+            # Found at fill, after the forward that read the changed rows.
+            unverified_steps = max(1, unverified_steps)
         repaired = all(d.repaired for d in detections)
         if repaired:
             read_unverified = unverified_steps > 0 and any(r not in hitters for r in readers)
@@ -614,6 +641,42 @@ class KVGuardScheduler:
             message = KVCacheCorruptionError.describe_nonfinite(block, first.layer, outcome)
             # raise: vLLM fails the writers when the block is reported next step.
             self._affect(req_id, block, outcome, message, end=mode != Mode.RAISE)
+            if outcome == policy.FAILED:
+                failed.add(req_id)
+        self._zero_after_failure(block, holders, failed)
+
+    def _handle_write_lost(self, block: int, detections: list[Detection]) -> None:
+        """Rows a forward wrote still read as the block's previous owner's: the write went
+        elsewhere or never happened. Like NaN written into a page (_handle_nonfinite), it is
+        found after the forward that wrote it: the block is reported unreadable next step (its
+        writer recomputes from it, or fails), and a writer that sampled a token in that forward
+        computed it from the old rows, so it is failed or flagged, never healed."""
+        first = detections[0]
+        holders = self._holders(block, first.step, computed=False)
+        writers = tuple(sorted(holders))
+        decision = policy.on_write_lost(self.config.mode)
+        self.counters.add("corruptions", label="write_lost")
+        self.counters.add("shapes", label=Shape.STALE)
+        if decision.evict:
+            self._evict_from_cache(block, holders)
+        if decision.invalidate:
+            self._invalidate_next.append(block)
+            self.ledger.forget_identity([block])
+        slots = tuple(sorted({int(s) for d in detections for s in _slots(d)}))
+        self.log.event(
+            "kv_block_write_lost",
+            WriteLost(block, slots, writers, decision.action, first.step),
+            level="error",
+        )
+        failed = set()
+        for req_id in writers:
+            holder = holders[req_id]
+            emitted = holder.emits if holder is not None else True
+            outcome = policy.reader_outcome(
+                self.config.mode, self.config.suspect, decision.outcome, read_unverified=emitted
+            )
+            message = KVCacheCorruptionError.describe_write_lost(block, slots, outcome)
+            self._affect(req_id, block, outcome, message, end=self.config.mode != Mode.RAISE)
             if outcome == policy.FAILED:
                 failed.add(req_id)
         self._zero_after_failure(block, holders, failed)

@@ -28,13 +28,77 @@ from vllm_kvguard.core.faults import FaultKind, FaultSite, Injection
 from vllm_kvguard.core.shapes import Shape, classify
 from vllm_kvguard.digest import DeviceDigestTable, DigestTable, KVPages, PendingCheck
 from vllm_kvguard.digest.kernel import kernel_available
+from vllm_kvguard.digest.rows import RowDigests, axis_gather, element_gather
 from vllm_kvguard.digest.syndrome import locate, page_words, syndromes
 from vllm_kvguard.logs import GuardLog
 
 
+def slot_axis(page_shape: tuple[int, ...], block_size: int) -> int | None:
+    """Which page dimension indexes the block's slots in vLLM's GPU layouts ((2, block_size,
+    heads, head) or (2, heads, block_size, head), written with logical indexing). None where it
+    cannot be told apart."""
+    same = [d for d, n in enumerate(page_shape) if n == block_size]
+    if len(same) == 1:
+        return same[0]
+    if len(page_shape) == 4 and page_shape[0] == 2 and page_shape[1] == block_size:
+        return 1  # NHD where heads == block_size
+    return None
+
+
+def _cpu_isa(name: str, dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    """The instruction-set layout vLLM's CPU attention packs this layer's pages in."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        layer = get_current_vllm_config().compilation_config.static_forward_context.get(name)
+        isa = getattr(layer, "isa", None)
+        if isinstance(isa, str):
+            return isa
+    except Exception:  # fall back to vLLM's own choice below
+        pass
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(dtype, block_size, head_size))
+
+
+def cpu_slot_elements(
+    page_shape: tuple[int, ...], dtype: torch.dtype, block_size: int, isa: str
+) -> np.ndarray:
+    """The elements each slot of a CPU page holds, found by writing one token into a scratch page
+    with vLLM's own write op (``cpu_attn_reshape_and_cache``): the CPU kernels pack K per
+    instruction set (e.g. transposed), so a slot is not a slice of the page. (slots, elements)."""
+    from vllm import _custom_ops as ops
+
+    heads, bs, two_head = page_shape
+    if bs != block_size or two_head % 2:
+        raise ValueError(f"page shape {page_shape} is not (heads, {block_size}, 2 x head_size)")
+    head = two_head // 2
+    scratch = torch.zeros((1, *page_shape), dtype=dtype)
+    key_cache, value_cache = scratch.view(1, heads, bs * 2, head).chunk(2, dim=2)
+    ones = torch.ones((1, heads, head), dtype=dtype)
+    rows = []
+    for slot in range(bs):
+        scratch.zero_()
+        ops.cpu_attn_reshape_and_cache(
+            ones, ones, key_cache, value_cache, torch.tensor([slot], dtype=torch.int64), isa
+        )
+        rows.append(torch.nonzero(scratch.reshape(-1)).flatten().numpy())
+    width = heads * two_head
+    if any(len(r) != width for r in rows) or len(np.unique(np.concatenate(rows))) != bs * width:
+        raise ValueError(f"vLLM's CPU write op ({isa}) does not place each slot in its own elements")
+    return np.stack(rows)
+
+
 class KVGuardWorker:
-    def __init__(self, config: KVGuardConfig, num_blocks: int, rank: int, log: GuardLog) -> None:
+    def __init__(
+        self, config: KVGuardConfig, num_blocks: int, rank: int, log: GuardLog, *, block_size: int = 0
+    ) -> None:
         self.config = config
+        self.block_size = block_size
+        self.rows: RowDigests | None = None
+        self._read_partial: list[int] = []
+        # Pages found changed at fill and never sealed (where they changed), until reused.
+        self._tainted: dict[int, dict[str, object]] = {}
         self.rank = rank
         self.log = log
         self.internal_errors = 0
@@ -96,6 +160,7 @@ class KVGuardWorker:
             if self.pages.deferred
             else DigestTable(self.pages.num_blocks, self.pages.num_layers, self.pages.syndrome_words)
         )
+        rows = self._row_digests(kv_caches, first_t)
         self.log.event(
             "kvguard_started",
             GuardStarted(
@@ -109,11 +174,41 @@ class KVGuardWorker:
                     "digest": self.pages.digest_name,
                     "deferred": self.pages.deferred,
                     "block_dim": block_dim,
+                    "row_digests": rows,
                 },
             ),
             # The scheduler's line shows the settings; the worker's console line its own details.
             console_skip=("config",),
         )
+
+    def _row_digests(self, kv_caches: dict[str, torch.Tensor], first: torch.Tensor) -> str:
+        """Set up row digests (digest/rows.py) for this KV layout; returns what the start-up
+        line says about them."""
+        assert self.pages is not None
+        bs = self.block_size
+        page_shape = tuple(first.shape[1:])
+        try:
+            if bs <= 0:
+                raise ValueError("block size unknown")
+            if first.device.type == "cpu":
+                if not first.is_floating_point():
+                    raise ValueError(f"KV dtype {first.dtype} (quantised CPU cache)")
+                name = self.pages.names[0]
+                isa = _cpu_isa(name, first.dtype, bs, page_shape[-1] // 2)
+                elements = cpu_slot_elements(page_shape, first.dtype, bs, isa)
+                gathers = [element_gather(t, elements) for t in self.pages.tensors]
+                how = f"on (CPU layout {isa}, probed)"
+            else:
+                axis = slot_axis(page_shape, bs)
+                if axis is None:
+                    raise ValueError(f"page shape {page_shape} does not show which dimension indexes slots")
+                gathers = [axis_gather(t, axis) for t in self.pages.tensors]
+                how = f"on (slot axis {axis})"
+            self.rows = RowDigests(self.pages.tensors, gathers, self.pages.num_blocks, bs)
+        except Exception as exc:  # the guard runs on without them, and says why
+            self.rows = None
+            return f"off: {exc}"
+        return f"{how}, {self.rows.row_bytes} bytes a row"
 
     # ------------------------------------------------------------ before the forward
 
@@ -125,10 +220,22 @@ class KVGuardWorker:
         if self._unsettled:
             self._apply_settled(wait=False)
         plan = meta.plan
+        if self.rows is not None:
+            # Before the forward: blocks handed to new owners keep their rows as the previous
+            # generation's; the rows this forward writes are recorded after it (wait_for_save).
+            self.rows.roll(plan.given)
+            if self._tainted:
+                for block in plan.given:
+                    self._tainted.pop(block, None)
+                self._tainted_hits(meta)
+            if plan.written_blocks:
+                self.rows.rows[plan.written_blocks, plan.written_slots] = 0
         if meta.zero:
             assert self.pages is not None
             self.pages.zero(meta.zero)
             self.table.forget(meta.zero)
+            if self.rows is not None:
+                self.rows.forget(meta.zero)
         # Before the forward: this step's prefix hits are read by its attention.
         self.table.forget(plan.forget)
         if isinstance(self.table, DeviceDigestTable) and (plan.verify or meta.scrub):
@@ -138,10 +245,21 @@ class KVGuardWorker:
                 self._verify(meta, plan.verify, "reuse")
             if meta.scrub:
                 self._verify(meta, meta.scrub, "scrub")
+        if self.rows is not None and meta.scrub:
+            self._verify_rows(meta, self._unsealed(meta.scrub), "scrub")
         if meta.invalidate and self.config.mode != Mode.LOG:
             self._invalid.update(meta.invalidate)
             self.table.forget(meta.invalidate)
+            if self.rows is not None:
+                self.rows.forget(meta.invalidate)
         self._reads_left = set()
+        self._read_partial = plan.read_partial if self.rows is not None else []
+        if self._read_partial and not plan.read_verify:
+            assert self.pages is not None
+            self._reads_left = set(range(self.pages.num_layers))
+            self._read_blocks = []
+            self._read_expected = np.zeros((0, self.pages.num_layers), dtype=np.uint64)
+            self._read_seconds = 0.0
         if plan.read_verify:
             assert self.pages is not None
             self._reads_left = set(range(self.pages.num_layers))
@@ -280,9 +398,95 @@ class KVGuardWorker:
             layers, self._reads_left = sorted(self._reads_left), set()
             self._verify_reads(layers)
 
+    def _unsealed(self, block_ids: list[int]) -> list[int]:
+        assert self.table is not None
+        ids = np.asarray(block_ids, dtype=np.int64)
+        return ids[~self.table.sealed[ids]].tolist() if len(ids) else []
+
+    def _verify_rows(self, meta: KVGuardMetadata, block_ids: list[int], trigger: str) -> set[int]:
+        """Unfilled pages: re-hash their written rows (digest/rows.py) and compare. Returns the
+        pages that changed (reported unreadable outside log mode, their rows forgotten)."""
+        assert self.rows is not None and self.pages is not None
+        if not block_ids:
+            return set()
+        start = time.perf_counter()
+        blocks, slots = self.rows.written(block_ids)
+        bad = self.rows.check(blocks, slots)
+        self.counters.add("verified", len(set(blocks.tolist())), label=trigger)
+        self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="verify")
+        self.counters.observe("verify_seconds", time.perf_counter() - start)
+        return self._row_findings(meta, blocks, slots, bad, trigger)
+
+    def _row_findings(
+        self, meta: KVGuardMetadata, blocks: np.ndarray, slots: np.ndarray, bad: np.ndarray, trigger: str
+    ) -> set[int]:
+        """Detections for the rows ``bad`` (indices into blocks/slots) that changed, one per block."""
+        assert self.rows is not None
+        out = self._worker_meta()
+        out.verified_steps.add(meta.step)
+        if not len(bad):
+            return set()
+        actual = self.rows.hash(blocks[bad], slots[bad])
+        found: dict[int, list[tuple[int, int]]] = {}
+        for k, i in enumerate(bad.tolist()):
+            found.setdefault(int(blocks[i]), []).append((int(slots[i]), k))
+        for block, entries in found.items():
+            slot, k = entries[0]
+            where: dict[str, object] = {
+                "slots": [s_ for s_, _ in entries],
+                "rows_written": int(np.count_nonzero(self.rows.rows[block])),
+            }
+            out.detections.append(
+                Detection(
+                    self.rank,
+                    block,
+                    "all",
+                    int(self.rows.rows[block, slot]),
+                    int(actual[k]),
+                    tuple(meta.plan.readers.get(block, ())),
+                    trigger,
+                    meta.step,
+                    "partial_mismatch",
+                    shape=str(Shape.UNFILLED_ROWS),
+                    where=where,
+                )
+            )
+            if trigger == "seal":
+                # Never sealed: in log mode its later readers are still told (_tainted_hits).
+                self._tainted[block] = where
+        if self.config.mode != Mode.LOG:
+            self._invalid.update(found)
+            self.rows.forget(list(found))
+        return set(found)
+
+    def _tainted_hits(self, meta: KVGuardMetadata) -> None:
+        """Prefix-cache hits on pages whose rows changed before they could be sealed (log mode
+        keeps them cached): each hit is reported again, so every reader is flagged."""
+        for block in meta.plan.verify:
+            where = self._tainted.get(block)
+            if where is not None:
+                self._worker_meta().detections.append(
+                    Detection(
+                        self.rank,
+                        block,
+                        "all",
+                        0,
+                        0,
+                        tuple(meta.plan.readers.get(block, ())),
+                        "reuse",
+                        meta.step,
+                        "partial_mismatch",
+                        shape=str(Shape.UNFILLED_ROWS),
+                        where=where,
+                    )
+                )
+
     def _verify_reads(self, layers: list[int]) -> None:
         assert self.pages is not None and self.table is not None and self._meta is not None
         meta = self._meta
+        if self._read_partial:
+            partial, self._read_partial = self._read_partial, []
+            self._verify_rows(meta, partial, meta.read_trigger or str(self.config.verify))
         # This runs between two attention layers: keep it to one hash loop and one compare.
         start = time.perf_counter()
         blocks = self._read_blocks
@@ -415,6 +619,8 @@ class KVGuardWorker:
                 self._inject(injection)
             else:
                 at_rest.append(injection)
+        if self.rows is not None:
+            seal = self._rows_after_forward(meta, seal)
         if seal and isinstance(self.table, DeviceDigestTable):
             check_finite = self.config.nonfinite_mode is not None
             if check_finite and meta.inject:
@@ -438,6 +644,54 @@ class KVGuardWorker:
         for injection in at_rest:
             if not self._inject(injection):
                 self._worker_meta().unchanged_faults.append(injection.fault_id)
+
+    def _rows_after_forward(self, meta: KVGuardMetadata, seal: list[int]) -> list[int]:
+        """Check the rows of pages about to be sealed that earlier steps wrote (never seal over
+        data that changed after it was written), then record the rows this forward wrote and
+        report any that still read as the block's previous owner's (a lost write). Returns the
+        pages to seal."""
+        assert self.rows is not None
+        plan = meta.plan
+        start = time.perf_counter()
+        changed: set[int] = set()
+        if seal:
+            blocks, slots = self.rows.written(seal)
+            if len(blocks):
+                changed = self._row_findings(meta, blocks, slots, self.rows.check(blocks, slots), "seal")
+                self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
+        if plan.written_blocks:
+            blocks = np.asarray(plan.written_blocks, dtype=np.int64)
+            slots = np.asarray(plan.written_slots, dtype=np.int64)
+            same = self.rows.record(blocks, slots)
+            self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
+            if same.any() and meta.lost_write_check:
+                checked = np.isin(blocks, np.asarray(meta.lost_write_check, dtype=np.int64))
+                self._lost_writes(meta, blocks[same & checked], slots[same & checked])
+        self.counters.observe("verify_seconds", time.perf_counter() - start)
+        return [b for b in seal if b not in changed] if changed else seal
+
+    def _lost_writes(self, meta: KVGuardMetadata, blocks: np.ndarray, slots: np.ndarray) -> None:
+        assert self.rows is not None
+        found: dict[int, list[int]] = {}
+        for b, s_ in zip(blocks.tolist(), slots.tolist(), strict=True):
+            found.setdefault(b, []).append(s_)
+        for block, lost in found.items():
+            digest = int(self.rows.rows[block, lost[0]])
+            self._worker_meta().detections.append(
+                Detection(
+                    self.rank,
+                    block,
+                    "all",
+                    digest,
+                    digest,
+                    (),
+                    "write",
+                    meta.step,
+                    "write_lost",
+                    shape=str(Shape.STALE),
+                    where={"slots": lost},
+                )
+            )
 
     def _check_finite(self, meta: KVGuardMetadata, bad: np.ndarray) -> bool:
         """Write-time sanity: NaN/Inf in a page being sealed is bad data, not a change at rest.
@@ -507,7 +761,8 @@ class KVGuardWorker:
             now = time.monotonic()
             if self.table is not None and now - self._state_reported_at >= 1.0:
                 self._state_reported_at = now
-                self.counters.set("state_bytes", self.table.nbytes(), label="worker")
+                rows = self.rows.nbytes() if self.rows is not None else 0
+                self.counters.set("state_bytes", self.table.nbytes() + rows, label="worker")
         if not self.counters.empty():
             self._worker_meta().counters = self.counters.to_dict()
             self.counters = GuardCounters()
@@ -529,4 +784,7 @@ class KVGuardWorker:
             self._apply_settled(wait=True)
             dropped = int(self.table.sealed.sum())
             self.table.forget(np.flatnonzero(self.table.sealed).tolist())
+            if self.rows is not None:
+                self.rows.rows[:] = 0
+                self.rows.previous[:] = 0
             self.log.line("kvguard_seals_dropped", reason="kv_cache_unregistered", pages=dropped)

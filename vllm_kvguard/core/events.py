@@ -124,7 +124,6 @@ class WriteLost:
     block_id: int
     slots: tuple[int, ...]
     request_ids: tuple[str, ...]
-    previous_owner: str
     action: Action
     step: int
 

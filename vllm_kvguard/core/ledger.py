@@ -65,6 +65,15 @@ class StepPlan:
     # and the blocks of the pages it sealed this step, and of the prefix-cache hits it reads.
     sealed_pages: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)
     hit_pages: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    # Row digests (digest/rows.py): blocks handed to a new owner this step (their rows become
+    # the previous generation's), the (block, slot) rows this step's forward writes, and the
+    # unfilled pages of running requests to verify (their rows written in earlier steps).
+    given: list[int] = field(default_factory=list)
+    written_blocks: list[int] = field(default_factory=list)
+    written_slots: list[int] = field(default_factory=list)
+    read_partial: list[int] = field(default_factory=list)
+    # Per request with pages handed out this step: (request, positions in its table, blocks).
+    given_pages: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 class Violation(StrEnum):
@@ -136,6 +145,16 @@ class BlockLedger:
         self.violations: list[LifecycleViolation] = []
         self._read_cursor = 0
         self._read_window: dict[str, int] = {}
+        self.read_partial: list[int] = []
+        # Each live request's block table as vLLM handed it out (its first view, then the blocks
+        # appended): where this step's rows go, without asking vLLM for the table every step.
+        self._tables: dict[str, list[int]] = {}
+        # Who each block was handed to (a key of the writer and page position, set by the
+        # connector; 0: unknown), and the same for the block's previous owner: a row that
+        # reads back as the previous owner's is a lost write only if that owner's row was
+        # not the same computation (digest/identity.py).
+        self.owner_key = np.zeros(num_blocks, dtype=np.uint64)
+        self.previous_key = np.zeros(num_blocks, dtype=np.uint64)
 
     @property
     def num_blocks(self) -> int:
@@ -150,6 +169,7 @@ class BlockLedger:
             "requests": len(self._numbers),
             "blocks_given": sum(len(a) for g in self._given.values() for a in g),
             "read_windows": len(self._read_window),
+            "tables": len(self._tables),
         }
 
     def nbytes(self) -> int:
@@ -179,16 +199,28 @@ class BlockLedger:
         state = self.state
         # Allocations first: a request may hit, in this same step, a block that a request
         # listed after it is given (vLLM caches a block as soon as its tokens are scheduled).
+        tables = self._tables
         for req in requests:
-            if len(req.new_block_ids):
-                self._allocate(req.req_id, np.asarray(req.new_block_ids, dtype=np.int64), plan)
+            new = req.new_block_ids
+            if req.fresh or req.req_id not in tables:
+                tables[req.req_id] = list(req.block_ids())
+            elif len(new):
+                tables[req.req_id].extend(new)
+            if len(new):
+                blocks = np.asarray(new, dtype=np.int64)
+                self._allocate(req.req_id, blocks, plan)
+                plan.given.extend(blocks.tolist())
+                start = len(tables[req.req_id]) - len(blocks)
+                plan.given_pages.append((req.req_id, np.arange(start, start + len(blocks)), blocks))
+            if req.num_new:
+                self._written(req, tables[req.req_id], plan)
         for req in requests:
             hits = req.num_computed // bs if req.fresh else 0
             first_sealed = req.num_computed // bs
             last_sealed = (req.num_computed + req.num_new) // bs
             if not hits and last_sealed <= first_sealed:
                 continue
-            table = req.block_ids()
+            table = tables[req.req_id]
             if hits:
                 hit = np.asarray(table[:hits], dtype=np.int64)
                 self._hit(req.req_id, hit, plan)
@@ -208,7 +240,24 @@ class BlockLedger:
         if read_budget != 0:
             running = [r for r in requests if not r.fresh and r.num_computed >= bs]
             plan.read_verify = self._reads(running, read_budget, now)
+            plan.read_partial = self.read_partial
         return plan
+
+    def _written(self, req: ScheduledRequest, table: list[int], plan: StepPlan) -> None:
+        """The (block, slot) rows the step's forward writes for ``req``."""
+        bs = self.block_size
+        first, end = req.num_computed, req.num_computed + req.num_new
+        if (end - 1) // bs >= len(table):
+            table[:] = list(req.block_ids())  # a table the views did not show whole
+            if (end - 1) // bs >= len(table):
+                return
+        if req.num_new == 1:
+            plan.written_blocks.append(table[first // bs])
+            plan.written_slots.append(first % bs)
+            return
+        positions = np.arange(first, end)
+        plan.written_blocks.extend(np.asarray(table, dtype=np.int64)[positions // bs].tolist())
+        plan.written_slots.extend((positions % bs).tolist())
 
     def mark_verified(self, block_ids: Sequence[int] | np.ndarray, now: float) -> None:
         """Blocks sealed or verified in the current step (one numpy pass, no Python per block)."""
@@ -242,6 +291,11 @@ class BlockLedger:
         number = self._number(req_id)
         self.state[blocks] = BlockState.FILLING
         self.fingerprint[blocks] = 0
+        # Nothing of the new owner's is known good yet (a previous life's checks do not count).
+        self.verified_step[blocks] = -1
+        self.verified_before[blocks] = -1
+        self.previous_key[blocks] = self.owner_key[blocks]
+        self.owner_key[blocks] = 0
         self.writer_of[blocks] = number
         self._hold(number, blocks)
 
@@ -320,6 +374,7 @@ class BlockLedger:
         """A request gave its blocks back (finished or preempted): the blocks it was
         still writing hold nothing anyone may read, so they are free again."""
         self._read_window.pop(req_id, None)
+        self._tables.pop(req_id, None)
         number = self._numbers.pop(req_id, None)
         if number is None:
             return
@@ -358,7 +413,13 @@ class BlockLedger:
         left = budget
         for i in range(count):
             req = running[(start + i) % count]
-            table = req.block_ids()[: req.num_computed // bs]
+            whole = req.block_ids()
+            computed = req.num_computed // bs
+            table = list(whole[:computed])
+            if req.num_computed % bs and computed < len(whole):
+                # The unfilled page, one more page of the rotation: its rows written in earlier
+                # steps are verified (digest/rows.py).
+                table.append(whole[computed])
             if left is not None and len(table) > left:
                 offset = self._read_window.get(req.req_id, 0) % len(table)
                 table = (list(table[offset:]) + list(table[:offset]))[:left]
@@ -387,10 +448,14 @@ class BlockLedger:
                 self.violations.append(
                     LifecycleViolation(int(ids[i]), owners[which[i]], Violation.FREE_BLOCK_READ)
                 )
-        ids = ids[states == BlockState.SEALED]
         _, first = np.unique(ids, return_index=True)
-        ids = ids[np.sort(first)]
+        keep = np.sort(first)
+        ids, states = ids[keep], states[keep]
+        partial = ids[states == BlockState.FILLING]
+        ids = ids[states == BlockState.SEALED]
         self.mark_verified(ids, now)
+        self.mark_verified(partial, now)
+        self.read_partial = partial.tolist()
         return ids.tolist()
 
     def record_identity(self, req_id: str, blocks: np.ndarray, fingerprints: np.ndarray) -> None:
@@ -411,6 +476,17 @@ class BlockLedger:
             )
             for i in np.flatnonzero(bad).tolist()
         ]
+
+    def record_owners(self, blocks: np.ndarray, keys: np.ndarray) -> None:
+        """Who the blocks handed out this step were handed to (see ``owner_key``)."""
+        self.owner_key[blocks] = keys
+
+    def same_computation(self, block_id: int) -> bool:
+        """Whether the block's previous owner wrote the same page position after the same
+        prefix as its current one (or either is unknown): rows equal to the previous owner's are
+        then no evidence of a lost write."""
+        now, before = int(self.owner_key[block_id]), int(self.previous_key[block_id])
+        return now == 0 or before == 0 or now == before
 
     def forget_identity(self, block_ids: Sequence[int]) -> None:
         """A page whose content is no longer what it was sealed for (being recomputed)."""

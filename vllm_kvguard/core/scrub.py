@@ -1,4 +1,5 @@
-"""Scrubbing: sealed pages verified round-robin in the background of serving.
+"""Scrubbing: sealed pages (and the written rows of pages still being filled) verified
+round-robin in the background of serving.
 
 A page that sits in the prefix cache is only verified when a request reuses
 it; a bit that flips while nobody reads it waits there. The scrubber, like a
@@ -25,6 +26,11 @@ _WINDOW = 4096  # blocks scanned per slice when looking for sealed pages
 _RECOUNT_S = 0.25  # how often the number of sealed pages is recounted (an O(blocks) pass)
 
 
+def _scrubbed(state: np.ndarray) -> np.ndarray:
+    # Sealed pages, and pages being written (their rows written so far: digest/rows.py).
+    return (state == BlockState.SEALED) | (state == BlockState.FILLING)
+
+
 class Scrubber:
     def __init__(self, interval_s: float, max_pages_per_step: int) -> None:
         if interval_s <= 0 or max_pages_per_step < 1:
@@ -44,7 +50,7 @@ class Scrubber:
         if last is None:
             return []
         if now - self._counted_at >= _RECOUNT_S:
-            self._sealed = int(np.count_nonzero(ledger.state == BlockState.SEALED))
+            self._sealed = int(np.count_nonzero(_scrubbed(ledger.state)))
             self._counted_at = now
         sealed = self._sealed
         earned = sealed * max(0.0, now - last) / self.interval_s
@@ -65,7 +71,7 @@ class Scrubber:
         cursor = self._cursor % n
         while len(out) < want and scanned < n:
             end = min(n, cursor + _WINDOW)
-            found = np.flatnonzero(state[cursor:end] == BlockState.SEALED)
+            found = np.flatnonzero(_scrubbed(state[cursor:end]))
             take = found[: want - len(out)]
             out.extend((take + cursor).tolist())
             scanned += end - cursor

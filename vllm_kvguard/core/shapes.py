@@ -25,6 +25,7 @@ class Shape(StrEnum):
     NONFINITE = "nonfinite"  # the page now holds NaN/Inf
     COPY_OF_BLOCK = "copy_of_block"  # it equals another sealed page: a misdirected copy
     STALE = "stale"  # it equals this block's previous seal: a write that never landed
+    UNFILLED_ROWS = "unfilled_rows"  # rows written before the page was sealed changed (slots named)
     UNDIAGNOSED = "undiagnosed"  # not (yet) looked at: device path, diagnosed a step later
 
 

@@ -91,6 +91,19 @@ class PageIdentity:
         out[inside] = have[pos[inside]]
         return out
 
+    def owner_keys(self, req_id: str, positions: np.ndarray) -> np.ndarray:
+        """A key per page position of the request: the same for two requests exactly when they
+        write that position after the same prefix (the fingerprint of the page before it, and the
+        position), so their rows there are the same computation. 0: unknown."""
+        positions = np.asarray(positions, dtype=np.int64)
+        parents = self.fingerprints(req_id, np.maximum(positions - 1, 0))
+        parents[positions == 0] = ROOT if req_id in self.requests else 0
+        with np.errstate(over="ignore"):
+            keys = (parents * np.uint64(0x9E3779B185EBCA87)) ^ positions.astype(np.uint64)
+        keys[parents == 0] = 0
+        keys[(keys == 0) & (parents != 0)] = 1
+        return keys
+
     def _page(self, inputs: RequestInputs, i: int, parent: int) -> int:
         bs = self.block_size
         start, end = i * bs, (i + 1) * bs

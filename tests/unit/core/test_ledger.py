@@ -97,8 +97,12 @@ def test_block_table_is_not_fetched_for_plain_decode_steps() -> None:
         calls.append(1)
         return [1, 2]
 
+    # Once, when the ledger first sees the request (its mirror of the table); then never.
     ledger.plan([ScheduledRequest("a", 5, 1, False, [], table)])
-    assert calls == []
+    ledger.plan([ScheduledRequest("a", 6, 1, False, [], table)])
+    plan = ledger.plan([ScheduledRequest("a", 7, 1, False, [], table)])
+    assert calls == [1]
+    assert (plan.written_blocks, plan.written_slots) == ([2], [3])
 
 
 def _running_ledger():
@@ -242,7 +246,7 @@ def test_footprint_returns_to_zero_when_requests_end() -> None:
     size = ledger.nbytes()
     ledger.release_request("a")
     ledger.release_request("b")  # finished or aborted: vLLM calls request_finished for both
-    assert ledger.footprint() == {"requests": 0, "blocks_given": 0, "read_windows": 0}
+    assert ledger.footprint() == {"requests": 0, "blocks_given": 0, "read_windows": 0, "tables": 0}
     assert ledger.live_requests() == 0 and ledger.nbytes() == size > 64 * 8
 
 
@@ -275,3 +279,47 @@ def test_identity_mismatch_names_block_position_both_requests_and_fingerprints()
     assert ledger.fingerprint[2] == 0 and ledger.fingerprint[1] == 11
     ledger.forget_identity([1])
     assert ledger.fingerprint[1] == 0
+
+
+def test_plan_lists_the_rows_each_forward_writes_and_the_blocks_handed_out() -> None:
+    ledger = BlockLedger(16, BS)
+    plan = ledger.plan([req("a", 0, 6, True, [1, 2], [1, 2])])
+    assert plan.given == [1, 2]
+    assert list(zip(plan.written_blocks, plan.written_slots)) == [
+        (1, 0),
+        (1, 1),
+        (1, 2),
+        (1, 3),
+        (2, 0),
+        (2, 1),
+    ]
+    ((owner, positions, blocks),) = plan.given_pages
+    assert owner == "a" and positions.tolist() == [0, 1] and blocks.tolist() == [1, 2]
+    # Decode: the request's table mirror places the row; a new block is appended at position 2.
+    plan = ledger.plan([req("a", 6, 1, False, [], [1, 2])])
+    assert (plan.written_blocks, plan.written_slots, plan.given) == ([2], [2], [])
+    ledger.plan([req("a", 7, 1, False, [], [1, 2])])
+    plan = ledger.plan([req("a", 8, 1, False, [3], [1, 2, 3])])
+    assert (plan.written_blocks, plan.written_slots, plan.given) == ([3], [0], [3])
+    assert plan.given_pages[0][1].tolist() == [2]
+
+
+def test_unfilled_pages_are_verified_with_the_pages_read_and_owner_keys_roll() -> None:
+    import numpy as np
+
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 6, True, [1, 2], [1, 2])])
+    ledger.record_owners(np.array([1, 2]), np.array([5, 6], dtype=np.uint64))
+    plan = ledger.plan([req("a", 6, 1, False, [], [1, 2])], read_budget=None)
+    # Block 2 holds 2 rows written before this step: verified with the sealed page 1.
+    assert plan.read_verify == [1] and plan.read_partial == [2]
+    assert ledger.last_good_step(2, plan.step + 1) == plan.step
+    ledger.release_request("a")
+    ledger.plan([req("b", 0, 1, True, [2], [2])])
+    assert ledger.previous_key[2] == 6 and ledger.owner_key[2] == 0
+    # Unknown owner: never evidence of a lost write.
+    assert ledger.same_computation(2)
+    ledger.record_owners(np.array([2]), np.array([7], dtype=np.uint64))
+    assert not ledger.same_computation(2)
+    # A new owner starts with nothing known good.
+    assert ledger.last_good_step(2, 99) == -1

@@ -1,0 +1,194 @@
+"""Row digests: pages covered while they are still being written.
+
+A page's seal is taken when its last slot is written; until then its written slots
+were covered by nothing, and a change to them was sealed in at fill time. A *row* is
+one slot of one block across every layer (its K and V, every head): what one token
+wrote. Each row is hashed once, right after the forward that wrote it, into a
+(blocks x slots) table, so a page carries a digest per written slot from its first
+token on:
+
+- a partial page is verified by re-hashing its written rows (sampled, paranoid and
+  scrub verification cover unfilled pages this way);
+- at fill, the rows written in earlier steps are checked before the page is sealed,
+  so a page is never sealed over data that changed after it was written;
+- a row whose digest after the forward that wrote it equals the digest the block's
+  previous owner had at that slot is a write that never landed (lost write).
+
+Host pages: XXH3-64 of the row's bytes (layers concatenated in order), seeded by the
+slot, after one gather per layer of only the rows asked for. Pages off the host: KVG64
+terms (kernel.py's word function) summed per row, keyed by slot and word, computed
+where the rows live with torch (no page leaves the device); its numpy reference is
+:func:`row_digests_reference`. A digest is never 0 (0 marks an unwritten slot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from vllm_kvguard.digest.kernel import P1, P2, P3, P5, _avalanche
+
+_MASK = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+Gather = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def slot_view(tensor: torch.Tensor, axis: int) -> torch.Tensor:
+    """(num_blocks, block_size, ...) view of a block-first KV tensor whose pages index slots
+    along page dimension ``axis`` (vLLM's GPU layouts). No copy."""
+    return tensor.movedim(axis + 1, 1)
+
+
+def axis_gather(tensor: torch.Tensor, axis: int) -> Gather:
+    """Rows of a layout that indexes slots along one page dimension."""
+    view = slot_view(tensor, axis)
+
+    def gather(blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return view[blocks, slots].reshape(len(blocks), -1)
+
+    return gather
+
+
+def element_gather(tensor: torch.Tensor, elements: np.ndarray) -> Gather:
+    """Rows of a packed layout: ``elements[s]`` lists the page's elements (flat, in memory order
+    of a contiguous page) that slot ``s`` writes (vLLM's CPU layouts pack K per instruction set;
+    the connector finds the map by probing vLLM's own write op)."""
+    if not tensor[0].is_contiguous():
+        raise ValueError("packed rows need contiguous pages")
+    flat = tensor.view(tensor.shape[0], -1)
+    index = torch.as_tensor(np.asarray(elements, dtype=np.int64), device=tensor.device)
+
+    def gather(blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return flat[blocks[:, None], index[slots]]
+
+    return gather
+
+
+def row_digests_reference(rows: np.ndarray, slots: Sequence[int]) -> np.ndarray:
+    """The device path's row digest of each row (uint8 array, one row per line; a multiple of 8
+    bytes): avalanche(sum over words j of kvg64_term(word_j, key (j + 1) * P5 + slot * P3)). The
+    definition the torch version is checked against."""
+    words = np.ascontiguousarray(rows).view("<u8").astype(np.uint64)
+    out = np.empty(len(words), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        keys = np.arange(1, words.shape[1] + 1, dtype=np.uint64) * np.uint64(P5)
+        for i, (w, s) in enumerate(zip(words, slots, strict=True)):
+            a = keys + np.uint64((int(s) * P3) & _MASK) + w * np.uint64(P2)
+            a = (a << np.uint64(31)) | (a >> np.uint64(33))
+            h = np.uint64(int(_avalanche(a * np.uint64(P1)).sum(dtype=np.uint64)) & _MASK)
+            d = int(_avalanche(np.array([h], dtype=np.uint64))[0])
+            out[i] = d or 1
+    return out
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    # Logical shift right of int64 lanes (torch's >> is arithmetic).
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _avalanche_t(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _shr(x, 33)
+    x = x * _signed(P2)
+    x = x ^ _shr(x, 29)
+    x = x * _signed(P3)
+    return x ^ _shr(x, 32)
+
+
+def row_digests_torch(words: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """:func:`row_digests_reference` on int64 words (rows x words) where they live."""
+    n = words.shape[1]
+    keys = torch.arange(1, n + 1, dtype=torch.int64, device=words.device) * _signed(P5)
+    a = keys + slots.to(torch.int64)[:, None] * _signed(P3) + words * _signed(P2)
+    a = (a << 31) | _shr(a, 33)
+    h = _avalanche_t(a * _signed(P1)).sum(dim=1)
+    d = _avalanche_t(h)
+    return torch.where(d == 0, torch.ones_like(d), d)
+
+
+class RowDigests:
+    """The digest of every written slot of every block, this generation and the previous one.
+
+    ``gathers``: per layer, a function returning the rows (block, slot) of that layer as
+    (rows, elements) (:func:`axis_gather`, :func:`element_gather`)."""
+
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], gathers: Sequence[Gather], num_blocks: int, block_size: int
+    ) -> None:
+        self.gathers = list(gathers)
+        self.block_size = block_size
+        self.device = tensors[0].device
+        self.on_host = all(t.device.type == "cpu" for t in tensors)
+        probe = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.row_bytes = sum(
+            g(probe, probe).numel() * t.element_size() for g, t in zip(gathers, tensors, strict=True)
+        )
+        if not self.on_host and self.row_bytes % 8:
+            raise ValueError("device rows must be whole 64-bit words")
+        self.rows = np.zeros((num_blocks, block_size), dtype=np.uint64)
+        self.previous = np.zeros((num_blocks, block_size), dtype=np.uint64)
+
+    def nbytes(self) -> int:
+        return self.rows.nbytes + self.previous.nbytes
+
+    def hash(self, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Digests of the rows (blocks[i], slots[i]) as they are now, uint64 (never 0)."""
+        n = len(blocks)
+        if not n:
+            return np.zeros(0, dtype=np.uint64)
+        b = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
+        s = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
+        # One gather per layer of just these rows, layers side by side: (rows, bytes).
+        gathered = torch.cat([g(b, s).contiguous().view(torch.uint8) for g in self.gathers], dim=1)
+        if not self.on_host:
+            return row_digests_torch(gathered.view(torch.int64), s).cpu().numpy().view(np.uint64)
+        raw = gathered.numpy()
+        size = raw.shape[1]
+        view = raw.reshape(-1).data.cast("B")
+        h = xxhash.xxh3_64_intdigest
+        out = np.fromiter(
+            (h(view[i * size : (i + 1) * size], int(s_)) for i, s_ in enumerate(slots.tolist())),
+            dtype=np.uint64,
+            count=n,
+        )
+        out[out == 0] = 1
+        return out
+
+    def record(self, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Hash rows just written and keep their digests; returns which of them equal what the
+        block's previous owner had at that slot (a write that did not land)."""
+        digests = self.hash(blocks, slots)
+        previous = self.previous[blocks, slots]
+        self.rows[blocks, slots] = digests
+        return (digests == previous) & (previous != 0)
+
+    def written(self, blocks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks, slots) of every written row of ``blocks``."""
+        ids = np.asarray(blocks, dtype=np.int64)
+        r, s = np.nonzero(self.rows[ids])
+        return ids[r], s.astype(np.int64)
+
+    def check(self, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Indices of the rows (blocks[i], slots[i]) that changed since they were recorded."""
+        if not len(blocks):
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(self.hash(blocks, slots) != self.rows[blocks, slots])
+
+    def roll(self, blocks: Sequence[int]) -> None:
+        """Blocks handed to a new owner: their rows become the previous generation's."""
+        if len(blocks):
+            ids = np.asarray(blocks, dtype=np.int64)
+            self.previous[ids] = self.rows[ids]
+            self.rows[ids] = 0
+
+    def forget(self, blocks: Sequence[int]) -> None:
+        """Rows that mean nothing any more (a page being recomputed or zeroed)."""
+        if len(blocks):
+            self.rows[np.asarray(blocks, dtype=np.int64)] = 0
