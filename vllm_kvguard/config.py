@@ -81,6 +81,7 @@ class KVGuardConfig:
     nonfinite: NonFiniteAction = NonFiniteAction.MODE
     suspect: SuspectAction = SuspectAction.FAIL
     repair: bool = True
+    rows: bool = True
     hash: HashAlgorithm = HashAlgorithm.XXH3_64
     quarantine_max_fraction: float = 0.02
     log_format: LogFormat = LogFormat.AUTO
@@ -247,6 +248,7 @@ _VARIABLES = {
     "_NONFINITE": ("nonfinite", lambda var, raw: _choice(var, raw, NonFiniteAction)),
     "_SUSPECT": ("suspect", lambda var, raw: _choice(var, raw, SuspectAction)),
     "_REPAIR": ("repair", _switch),
+    "_ROWS": ("rows", _switch),
     "_HASH": ("hash", lambda var, raw: _choice(var, raw, HashAlgorithm)),
     "_QUARANTINE_MAX_FRACTION": ("quarantine_max_fraction", _fraction),
     "_LOG_FORMAT": ("log_format", lambda var, raw: _choice(var, raw, LogFormat)),

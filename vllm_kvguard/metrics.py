@@ -18,6 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from vllm_kvguard.core.counters import STATE_TABLES, GuardCounters
+from vllm_kvguard.core.faults import FaultKind
 from vllm_kvguard.core.shapes import SHAPES
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0)
@@ -157,7 +158,7 @@ SERIES = (
         "counter",
         "Fire-drill faults injected, by kind.",
         "kind",
-        ("bitflip", "overwrite", "zero", "nan"),
+        tuple(k.value for k in FaultKind),
     ),
     Series(
         "internal_errors", "vllm:kvguard_internal_errors", "counter", "Errors inside the guard (fail-open)."

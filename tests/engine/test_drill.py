@@ -78,6 +78,29 @@ def test_drill_detects_every_fault_kind_that_is_read(tiny_model: str, tmp_path: 
     )
 
 
+def test_drill_covers_unfilled_pages_lost_writes_and_page_identity(tiny_model: str, tmp_path: Path) -> None:
+    """The three kinds full-page checksums cannot see: bits flipped in the written slots of a
+    page still being written, a forward's writes into a reused page made not to land, and two
+    cached pages trading prefix-cache hashes. Every one that is read is detected."""
+    spec = "partial:count=2,seed=21;lost_write:count=1,seed=22;identity:count=1,seed=23"
+    proc = _run(["drill", "--model", tiny_model, "--json", "--workdir", str(tmp_path), "--inject", spec])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    rows = report["by_kind"]
+    assert {k: row["injected"] for k, row in rows.items()} == {"partial": 2, "lost_write": 1, "identity": 1}
+    for kind, row in rows.items():
+        assert row["escaped"] == 0 and row["read"] == row["detected"], (kind, row)
+        assert row["read"] + row["not_read"] + row["no_change"] == row["injected"], kind
+        assert row["diagnosed"] == row["detected"], (kind, report["faults"])
+    # Read in the step they land (lost_write) or as soon as the page's rows are checked, at
+    # the latest when it fills (partial); an identity swap when either page is hit.
+    assert rows["lost_write"]["detected"] == 1 and report["writes_lost"] >= 1
+    assert rows["partial"]["detected"] >= 1
+    assert rows["identity"]["detected"] + rows["identity"]["not_read"] == 1
+    assert report["identity_mismatches"] >= rows["identity"]["detected"]
+    assert report["silently_wrong"] == 0 and report["ok"] is True and report["internal_errors"] == 0
+
+
 def test_fault_in_a_page_never_read_is_not_read_not_detected(tiny_model: str, tmp_path: Path) -> None:
     # 4 requests over 4 prefixes: no prefix is used twice, so no page is ever reused.
     proc = _run(

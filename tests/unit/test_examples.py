@@ -32,7 +32,7 @@ def test_alert_rules_and_config_are_valid() -> None:
     rules = subprocess.run(
         [_promtool(), "check", "rules", "kvguard-alerts.yml"], cwd=PROM, capture_output=True, text=True
     )
-    assert rules.returncode == 0 and "7 rules found" in rules.stdout, rules.stdout + rules.stderr
+    assert rules.returncode == 0 and "8 rules found" in rules.stdout, rules.stdout + rules.stderr
     config = subprocess.run(
         [_promtool(), "check", "config", "prometheus.yml"], cwd=PROM, capture_output=True, text=True
     )

@@ -146,6 +146,37 @@ def fail_requests(scheduler: Any, failures: dict[str, str], outputs: dict[int, A
         )
 
 
+# ------------------------------------------------------------ fire drills: the prefix cache
+
+
+def swap_cached_hashes(pool: Any, a: int, b: int) -> bool:
+    """The ``identity`` drill fault: blocks ``a`` and ``b`` trade their prefix-cache hashes, so
+    a request for either page's tokens is served the other's intact page (what a block-hash
+    bug or collision does). Only full, cached, idle blocks of one hash each; False if not."""
+    cache = pool.cached_block_hash_to_block
+    blocks = pool.blocks
+    first, second = blocks[a], blocks[b]
+    if first.ref_cnt or second.ref_cnt or first.block_hash is None or second.block_hash is None:
+        return False
+    extra = getattr(pool, "cached_block_hashes_by_block", {})
+    if extra.get(a) or extra.get(b):
+        return False
+    ha, na = first.block_hash, first.block_hash_num_tokens
+    hb, nb = second.block_hash, second.block_hash_num_tokens
+    if cache.pop(ha, a) is None:
+        return False
+    if cache.pop(hb, b) is None:
+        cache.insert(ha, first)
+        return False
+    first.reset_hash()
+    second.reset_hash()
+    first.set_block_hash(hb, nb)
+    second.set_block_hash(ha, na)
+    cache.insert(hb, first)
+    cache.insert(ha, second)
+    return True
+
+
 # ------------------------------------------------------------ vLLM's unknown-variable warning
 
 

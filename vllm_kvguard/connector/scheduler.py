@@ -15,13 +15,14 @@ import functools
 import time
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from vllm_kvguard.config import KVGuardConfig, Mode, VerifyPolicy
+from vllm_kvguard.connector import patches
 from vllm_kvguard.connector.metadata import KVGuardMetadata, KVGuardWorkerMetadata, guard_worker_meta
 from vllm_kvguard.core import policy
 from vllm_kvguard.core.counters import GuardCounters
@@ -39,7 +40,7 @@ from vllm_kvguard.core.events import (
     RequestAffected,
     WriteLost,
 )
-from vllm_kvguard.core.faults import FaultSite, FaultTracker, parse_fault_spec
+from vllm_kvguard.core.faults import FaultSite, FaultTracker, Injection, parse_fault_spec
 from vllm_kvguard.core.ledger import (
     BlockLedger,
     IdentityMismatch,
@@ -176,8 +177,10 @@ class KVGuardScheduler:
         self.block_pool: BlockPool | None = None
         self.kv_cache_manager: KVCacheManager | None = None
         self.ledger = BlockLedger(num_blocks, block_size)
-        # Each live request's page fingerprints (what its pages hold), checked on every hit.
+        # Each live request's page fingerprints (what its pages hold), checked on every hit,
+        # and the blocks that failed the check by step (drill accounting; dropped as settled).
         self.identity = PageIdentity(block_size)
+        self._identity_found: dict[int, set[int]] = {}
         self.faults = FaultTracker(parse_fault_spec(config.inject)) if config.inject else None
         self.quarantine_limit = policy.quarantine_limit(config.quarantine_max_fraction, num_blocks)
         # The message each failed or flagged request's final output carries in stop_reason
@@ -312,6 +315,11 @@ class KVGuardScheduler:
         by_block: dict[int, list[IdentityMismatch]] = defaultdict(list)
         for m in found:
             by_block[m.block_id].append(m)
+        if self.faults is not None:
+            found_at = self._identity_found
+            found_at.setdefault(self.ledger.step, set()).update(by_block)
+            for old in [s for s in found_at if s < self.ledger.step - 8]:
+                del found_at[old]
         for block, mismatches in sorted(by_block.items()):
             readers = {m.req_id for m in mismatches}
             others = [h for h in self.ledger.holders_of(block) if h not in readers]
@@ -393,15 +401,29 @@ class KVGuardScheduler:
 
     def _plan_faults(self, plan: StepPlan, meta: KVGuardMetadata) -> None:
         assert self.faults is not None and self.block_pool is not None
-        for fid in self.faults.allocated(plan.forget):
+        for fid in self.faults.allocated(plan.given):
             self.log.event("kv_fault_outcome", FaultOutcome(fid, "not_read", plan.step))
-        # A fault is read when its page is verified: reused, or walked by the scrubber.
-        self.faults.verifying(plan.step, plan.verify + meta.scrub)
+        # A fault is read when its page is verified: reused, or walked by the scrubber; a page
+        # still being written also when its rows are verified, or checked at fill.
+        self.faults.verifying(plan.step, plan.verify + meta.scrub + plan.read_partial + plan.seal)
         blocks = self.block_pool.blocks
         candidates = self.ledger.idle_sealed(lambda b: blocks[b].ref_cnt > 0 or blocks[b].block_hash is None)
         meta.inject = self.faults.inject(plan.step, candidates, self._num_layers)
         if plan.seal and not meta.inject:
             meta.inject = self.faults.inject(plan.step, plan.seal, self._num_layers, FaultSite.WRITE)
+        if plan.written_blocks and not meta.inject:
+            # Pages this step writes that stay unfilled after it.
+            sealed = set(plan.seal)
+            filling = sorted({b for b in plan.written_blocks if b not in sealed})
+            meta.inject = self.faults.inject(plan.step, filling, self._num_layers, FaultSite.FILLING)
+        if meta.lost_write_check and not meta.inject:
+            meta.inject = self.faults.inject(
+                plan.step, meta.lost_write_check, self._num_layers, FaultSite.FORWARD
+            )
+        if candidates and not meta.inject:
+            known = [b for b in candidates if self.ledger.fingerprint[b]]
+            due = self.faults.inject(plan.step, known, 1, FaultSite.CACHE)
+            meta.inject = [i for i in (self._swap(d, known) for d in due) if i is not None]
         for inj in meta.inject:
             self.counters.add("faults_injected", label=str(inj.kind))
             self.log.event(
@@ -409,6 +431,19 @@ class KVGuardScheduler:
                 FaultInjected(inj.fault_id, str(inj.kind), inj.block_id, inj.layer, plan.step, str(inj.at)),
                 level="warning",
             )
+
+    def _swap(self, inj: Injection, candidates: list[int]) -> Injection | None:
+        """Carry out an ``identity`` fault on vLLM's prefix cache: its page trades hashes with
+        another idle cached page that holds other inputs."""
+        assert self.faults is not None and self.block_pool is not None
+        own = self.ledger.fingerprint[inj.block_id]
+        for partner in candidates:
+            different = partner != inj.block_id and self.ledger.fingerprint[partner] != own
+            if different and patches.swap_cached_hashes(self.block_pool, inj.block_id, partner):
+                self.faults.pair(inj.fault_id, partner)
+                return replace(inj, partner=partner)
+        self.faults.no_change(inj.fault_id)
+        return None
 
     def _handle_violation(self, v: LifecycleViolation, meta: KVGuardMetadata) -> None:
         """A block misused by the scheduler: report it and protect the requests it touches."""
@@ -502,8 +537,10 @@ class KVGuardScheduler:
             for fid in meta.unchanged_faults:
                 self.faults.no_change(fid)
                 self.log.event("kv_fault_outcome", FaultOutcome(fid, "no_change", self.ledger.step))
+            bad = set(by_block) | set(nonfinite) | set(lost)
             for step in sorted(meta.verified_steps):
-                for fid, detected in self.faults.verified(step, set(by_block) | set(nonfinite)):
+                found = bad | self._identity_found.pop(step, set())
+                for fid, detected in self.faults.verified(step, found):
                     self.log.event(
                         "kv_fault_outcome",
                         FaultOutcome(fid, "detected" if detected else "escaped", step),

@@ -28,7 +28,7 @@ from vllm_kvguard.core.faults import FaultKind, FaultSite, Injection
 from vllm_kvguard.core.shapes import Shape, classify
 from vllm_kvguard.digest import DeviceDigestTable, DigestTable, KVPages, PendingCheck
 from vllm_kvguard.digest.kernel import kernel_available
-from vllm_kvguard.digest.rows import RowDigests, axis_gather, element_gather
+from vllm_kvguard.digest.rows import AxisRows, PackedRows, RowAccess, RowDigests
 from vllm_kvguard.digest.syndrome import locate, page_words, syndromes
 from vllm_kvguard.logs import GuardLog
 
@@ -99,6 +99,8 @@ class KVGuardWorker:
         self._read_partial: list[int] = []
         # Pages found changed at fill and never sealed (where they changed), until reused.
         self._tainted: dict[int, dict[str, object]] = {}
+        # Drill: rows a lost_write fault puts back after the forward, by fault id.
+        self._unlanded: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
         self.rank = rank
         self.log = log
         self.internal_errors = 0
@@ -187,6 +189,8 @@ class KVGuardWorker:
         assert self.pages is not None
         bs = self.block_size
         page_shape = tuple(first.shape[1:])
+        if not self.config.rows:
+            return "off: VLLM_KVGUARD_ROWS=0"
         try:
             if bs <= 0:
                 raise ValueError("block size unknown")
@@ -196,13 +200,13 @@ class KVGuardWorker:
                 name = self.pages.names[0]
                 isa = _cpu_isa(name, first.dtype, bs, page_shape[-1] // 2)
                 elements = cpu_slot_elements(page_shape, first.dtype, bs, isa)
-                gathers = [element_gather(t, elements) for t in self.pages.tensors]
+                gathers: list[RowAccess] = [PackedRows(t, elements) for t in self.pages.tensors]
                 how = f"on (CPU layout {isa}, probed)"
             else:
                 axis = slot_axis(page_shape, bs)
                 if axis is None:
                     raise ValueError(f"page shape {page_shape} does not show which dimension indexes slots")
-                gathers = [axis_gather(t, axis) for t in self.pages.tensors]
+                gathers = [AxisRows(t, axis) for t in self.pages.tensors]
                 how = f"on (slot axis {axis})"
             self.rows = RowDigests(self.pages.tensors, gathers, self.pages.num_blocks, bs)
         except Exception as exc:  # the guard runs on without them, and says why
@@ -228,6 +232,8 @@ class KVGuardWorker:
                 for block in plan.given:
                     self._tainted.pop(block, None)
                 self._tainted_hits(meta)
+            if meta.inject:
+                self._snapshot_lost(meta)
             if plan.written_blocks:
                 self.rows.rows[plan.written_blocks, plan.written_slots] = 0
         if meta.zero:
@@ -611,16 +617,23 @@ class KVGuardWorker:
         self.finish_forward()
         seal = meta.plan.seal
         # After the forward: the pages whose last slot was written this step are final.
-        at_rest = []
+        at_rest, filling = [], []
         for injection in meta.inject:
             if injection.rank is not None and injection.rank != self.rank:
                 continue  # another worker's fault (rank=N): this worker's copy stays intact
             if injection.at == FaultSite.WRITE:
                 self._inject(injection)
-            else:
+            elif injection.at == FaultSite.FORWARD:
+                self._unland(meta, injection)
+            elif injection.at == FaultSite.FILLING:
+                filling.append(injection)
+            elif injection.at == FaultSite.REST:
                 at_rest.append(injection)
         if self.rows is not None:
             seal = self._rows_after_forward(meta, seal)
+        for injection in filling:
+            if not self._corrupt_rows(injection):
+                self._worker_meta().unchanged_faults.append(injection.fault_id)
         if seal and isinstance(self.table, DeviceDigestTable):
             check_finite = self.config.nonfinite_mode is not None
             if check_finite and meta.inject:
@@ -692,6 +705,53 @@ class KVGuardWorker:
                     where={"slots": lost},
                 )
             )
+
+    # -------------------------------------------------------- fire drills on written rows
+
+    def _snapshot_lost(self, meta: KVGuardMetadata) -> None:
+        """Before the forward: the rows a ``lost_write`` fault will make not to land."""
+        self._unlanded = {}
+        if self.rows is None:
+            return
+        plan = meta.plan
+        for injection in meta.inject:
+            if injection.at != FaultSite.FORWARD:
+                continue
+            slots = [
+                s_
+                for b, s_ in zip(plan.written_blocks, plan.written_slots, strict=True)
+                if b == injection.block_id
+            ]
+            if slots:
+                blocks = [injection.block_id] * len(slots)
+                self._unlanded[injection.fault_id] = (slots, self.rows.snapshot(blocks, slots))
+
+    def _unland(self, meta: KVGuardMetadata, injection: Injection) -> None:
+        """After the forward: put the rows back as they were before it (the write never landed).
+        Unchanged if no row of the previous owner is known there (nothing to tell it by)."""
+        taken = self._unlanded.pop(injection.fault_id, None)
+        self._worker_meta().verified_steps.add(meta.step)
+        if taken is None or self.rows is None:
+            self._worker_meta().unchanged_faults.append(injection.fault_id)
+            return
+        slots, rows = taken
+        blocks = [injection.block_id] * len(slots)
+        if not self.rows.previous[injection.block_id, slots].any():
+            self._worker_meta().unchanged_faults.append(injection.fault_id)
+            return
+        self.rows.restore(blocks, slots, rows)
+
+    def _corrupt_rows(self, injection: Injection) -> bool:
+        """A ``partial`` fault: one bit flipped in every written row of an unfilled page, in one
+        layer, after the rows were recorded. Returns whether any row was there to change."""
+        if self.rows is None:
+            return False
+        _, slots = self.rows.written([injection.block_id])
+        if not len(slots):
+            return False
+        layer = injection.layer % len(self.rows.gathers)
+        self.rows.flip(injection.block_id, slots.tolist(), layer, random.Random(injection.seed).randrange(8))
+        return True
 
     def _check_finite(self, meta: KVGuardMetadata, bad: np.ndarray) -> bool:
         """Write-time sanity: NaN/Inf in a page being sealed is bad data, not a change at rest.

@@ -17,6 +17,7 @@ STATE_TABLES = (
     "requests",
     "blocks_given",
     "read_windows",
+    "tables",
     "stop_messages",
     "affected",
     "recompute_counts",

@@ -6,11 +6,18 @@ A spec is one or more faults separated by ``;``, each ``KIND[:key=value,...]``::
     overwrite:count=1               a page overwritten with another page's bytes
     zero:rate=0.05,after=10         each step from step 10 on, 5 % chance to zero a page
     nan:count=2,layer=0             NaN written into pages of layer 0
+    partial:count=2                 bits flipped in the written slots of pages still being written
+    lost_write:count=1              a forward's writes into a reused page made not to land
+    identity:count=1                two cached pages swap their prefix-cache hashes
 
 Kinds mirror what corrupts KV caches in the field (shared field notes): memory
 bit flips (``bitflip``), block theft or a misdirected write (``overwrite``), a
-lost write (``zero``) and garbage from a bad kernel (``nan``). Faults land only in
-pages that are sealed, after their seal, i.e. "at rest".
+page wiped (``zero``) and garbage from a bad kernel (``nan``) land in pages that
+are sealed, after their seal, i.e. "at rest" (``nan`` also at write). Three more
+reach what full-page checksums cannot see, each at its own site: a page still being
+written (``partial``), a write that never landed, leaving the previous owner's rows
+(``lost_write``), and a valid page served for another prompt's tokens, as a block-hash
+bug or collision does (``identity``).
 """
 
 from __future__ import annotations
@@ -29,19 +36,34 @@ class FaultKind(StrEnum):
     OVERWRITE = "overwrite"
     ZERO = "zero"
     NAN = "nan"
+    PARTIAL = "partial"
+    LOST_WRITE = "lost_write"
+    IDENTITY = "identity"
 
 
 _KEYS = {"count", "rate", "seed", "after", "layer", "at", "rank"}
 _GRAMMAR = (
-    "KIND[:key=value,...] joined by ';', KIND one of bitflip | overwrite | zero | nan, "
-    "keys count=N (>=1) or rate=P (0<P<=1), seed=N, after=STEP (>=0), layer=INDEX (>=0), "
-    "at=rest|write (write: nan only), rank=WORKER (>=0; default: every worker)"
+    "KIND[:key=value,...] joined by ';', KIND one of bitflip | overwrite | zero | nan | partial | "
+    "lost_write | identity, keys count=N (>=1) or rate=P (0<P<=1), seed=N, after=STEP (>=0), "
+    "layer=INDEX (>=0), at=rest|write (write: nan only; partial, lost_write and identity have "
+    "their own site), rank=WORKER (>=0; default: every worker)"
 )
 
 
 class FaultSite(StrEnum):
     REST = "rest"  # a sealed page no request holds, after its seal (checksum territory)
     WRITE = "write"  # a page being sealed this step, before its seal (the non-finite check)
+    FILLING = "filling"  # a page still being written, after this step wrote it (partial)
+    FORWARD = "forward"  # this step's writes into a page handed to a new owner (lost_write)
+    CACHE = "cache"  # the prefix cache's hashes of two idle pages (identity)
+
+
+# The kinds with a site of their own.
+SITE_OF = {
+    FaultKind.PARTIAL: FaultSite.FILLING,
+    FaultKind.LOST_WRITE: FaultSite.FORWARD,
+    FaultKind.IDENTITY: FaultSite.CACHE,
+}
 
 
 @dataclass(frozen=True)
@@ -105,10 +127,17 @@ def parse_fault_spec(spec: str, *, variable: str = VARIABLE) -> list[FaultSpec]:
             raise _bad(spec, variable, "give count or rate, not both")
         if count is None and rate is None:
             count = 1
-        try:
-            at = FaultSite(kw.get("at", "rest").lower())
-        except ValueError:
-            raise _bad(spec, variable, f"at={kw['at']!r} is not rest or write") from None
+        if kind in SITE_OF:
+            if "at" in kw:
+                raise _bad(spec, variable, f"{kind} has its own site; leave at= out")
+            at = SITE_OF[kind]
+        else:
+            try:
+                at = FaultSite(kw.get("at", "rest").lower())
+            except ValueError:
+                raise _bad(spec, variable, f"at={kw['at']!r} is not rest or write") from None
+            if at not in (FaultSite.REST, FaultSite.WRITE):
+                raise _bad(spec, variable, f"at={kw['at']!r} is not rest or write")
         if at == FaultSite.WRITE and kind != FaultKind.NAN:
             # A checksum seals whatever was written; only non-finite values are visible then.
             raise _bad(spec, variable, f"at=write needs kind nan, not {kind}")
@@ -140,6 +169,7 @@ class InjectedFault:
     read: bool = False
     detected: bool = False
     discarded: bool = False
+    partner: int | None = None  # identity: the other page
 
 
 @dataclass
@@ -189,6 +219,11 @@ class Injection:
     seed: int
     at: FaultSite = FaultSite.REST
     rank: int | None = None  # None: every worker
+    partner: int | None = None  # identity: the other page whose hash was swapped
+
+
+# Sites whose fault is read in the step it is injected (by the check after that forward).
+_READ_AT_ONCE = (FaultSite.WRITE, FaultSite.FORWARD)
 
 
 class FaultTracker:
@@ -219,7 +254,7 @@ class FaultTracker:
             fid = self._next_id
             self._next_id += 1
             self.faults[fid] = InjectedFault(spec.kind, block, layer, step)
-            if at == FaultSite.WRITE:
+            if at in _READ_AT_ONCE:
                 self.faults[fid].read = True
                 self._reading.setdefault(step, []).append(fid)
             else:
@@ -227,30 +262,45 @@ class FaultTracker:
             out.append(Injection(fid, spec.kind, block, layer, rng.randrange(2**31), at, spec.rank))
         return out
 
+    def pair(self, fault_id: int, partner: int) -> None:
+        """An identity fault is read through either of its two pages."""
+        self._pending.setdefault(partner, []).append(fault_id)
+        self.faults[fault_id].partner = partner
+
     def allocated(self, blocks: list[int]) -> list[int]:
         """Blocks handed to a new writer: their unread faults end as not read."""
         ended = []
         for block in blocks:
             for fid in self._pending.pop(block, ()):
-                self.faults.pop(fid).discarded = True
-                ended.append(fid)
+                fault = self.faults.get(fid)
+                if fault is not None and not fault.read:
+                    del self.faults[fid]
+                    fault.discarded = True
+                    ended.append(fid)
         return ended
 
     def verifying(self, step: int, blocks: list[int]) -> None:
         read = []
         for block in blocks:
             for fid in self._pending.pop(block, ()):
-                self.faults[fid].read = True
-                read.append(fid)
+                fault = self.faults.get(fid)
+                if fault is not None and not fault.read:
+                    fault.read = True
+                    read.append(fid)
         if read:
-            self._reading[step] = read
+            self._reading.setdefault(step, []).extend(read)
 
     def no_change(self, fault_id: int) -> None:
-        fault = self.faults.pop(fault_id)
+        fault = self.faults.pop(fault_id, None)
+        if fault is None:
+            return
         fault.discarded = True
-        pending = self._pending.get(fault.block_id, [])
-        if fault_id in pending:
-            pending.remove(fault_id)
+        for pending in self._pending.values():
+            if fault_id in pending:
+                pending.remove(fault_id)
+        for reading in self._reading.values():
+            if fault_id in reading:
+                reading.remove(fault_id)
 
     def footprint(self) -> int:
         """Faults not yet ended (injected, waiting for a reader or a verdict)."""
@@ -260,7 +310,9 @@ class FaultTracker:
         """The worker reported step ``step``: (fault id, detected) for faults read then."""
         out = []
         for fid in self._reading.pop(step, ()):
-            fault = self.faults.pop(fid)
-            fault.detected = fault.block_id in bad_blocks
+            fault = self.faults.pop(fid, None)
+            if fault is None:
+                continue
+            fault.detected = fault.block_id in bad_blocks or fault.partner in bad_blocks
             out.append((fid, fault.detected))
         return out

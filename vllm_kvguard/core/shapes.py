@@ -37,6 +37,8 @@ EXPECTED = {
     "zero": Shape.ZEROED,
     "nan": Shape.NONFINITE,
     "nan@write": Shape.NONFINITE,
+    "partial": Shape.UNFILLED_ROWS,
+    "lost_write": Shape.STALE,
 }
 
 

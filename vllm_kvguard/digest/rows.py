@@ -23,7 +23,7 @@ where the rows live with torch (no page leaves the device); its numpy reference 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -38,7 +38,14 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-Gather = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+class RowAccess:
+    """Reads (and, for drills, writes) the rows (block, slot) of one layer as (rows, elements)."""
+
+    def __call__(self, blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def put(self, blocks: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+        raise NotImplementedError
 
 
 def slot_view(tensor: torch.Tensor, axis: int) -> torch.Tensor:
@@ -47,29 +54,35 @@ def slot_view(tensor: torch.Tensor, axis: int) -> torch.Tensor:
     return tensor.movedim(axis + 1, 1)
 
 
-def axis_gather(tensor: torch.Tensor, axis: int) -> Gather:
+class AxisRows(RowAccess):
     """Rows of a layout that indexes slots along one page dimension."""
-    view = slot_view(tensor, axis)
 
-    def gather(blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return view[blocks, slots].reshape(len(blocks), -1)
+    def __init__(self, tensor: torch.Tensor, axis: int) -> None:
+        self.view = slot_view(tensor, axis)
 
-    return gather
+    def __call__(self, blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self.view[blocks, slots].reshape(len(blocks), -1)
+
+    def put(self, blocks: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.view[blocks, slots] = values.reshape(self.view[blocks, slots].shape)
 
 
-def element_gather(tensor: torch.Tensor, elements: np.ndarray) -> Gather:
+class PackedRows(RowAccess):
     """Rows of a packed layout: ``elements[s]`` lists the page's elements (flat, in memory order
     of a contiguous page) that slot ``s`` writes (vLLM's CPU layouts pack K per instruction set;
     the connector finds the map by probing vLLM's own write op)."""
-    if not tensor[0].is_contiguous():
-        raise ValueError("packed rows need contiguous pages")
-    flat = tensor.view(tensor.shape[0], -1)
-    index = torch.as_tensor(np.asarray(elements, dtype=np.int64), device=tensor.device)
 
-    def gather(blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return flat[blocks[:, None], index[slots]]
+    def __init__(self, tensor: torch.Tensor, elements: np.ndarray) -> None:
+        if not tensor[0].is_contiguous():
+            raise ValueError("packed rows need contiguous pages")
+        self.flat = tensor.view(tensor.shape[0], -1)
+        self.index = torch.as_tensor(np.asarray(elements, dtype=np.int64), device=tensor.device)
 
-    return gather
+    def __call__(self, blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self.flat[blocks[:, None], self.index[slots]]
+
+    def put(self, blocks: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.flat[blocks[:, None], self.index[slots]] = values
 
 
 def row_digests_reference(rows: np.ndarray, slots: Sequence[int]) -> np.ndarray:
@@ -116,11 +129,10 @@ def row_digests_torch(words: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 class RowDigests:
     """The digest of every written slot of every block, this generation and the previous one.
 
-    ``gathers``: per layer, a function returning the rows (block, slot) of that layer as
-    (rows, elements) (:func:`axis_gather`, :func:`element_gather`)."""
+    ``gathers``: per layer, the :class:`RowAccess` of that layer."""
 
     def __init__(
-        self, tensors: Sequence[torch.Tensor], gathers: Sequence[Gather], num_blocks: int, block_size: int
+        self, tensors: Sequence[torch.Tensor], gathers: Sequence[RowAccess], num_blocks: int, block_size: int
     ) -> None:
         self.gathers = list(gathers)
         self.block_size = block_size
@@ -180,6 +192,30 @@ class RowDigests:
         if not len(blocks):
             return np.zeros(0, dtype=np.int64)
         return np.flatnonzero(self.hash(blocks, slots) != self.rows[blocks, slots])
+
+    def _ids(self, blocks: Sequence[int], slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            torch.as_tensor(np.asarray(blocks, dtype=np.int64), device=self.device),
+            torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.device),
+        )
+
+    def snapshot(self, blocks: Sequence[int], slots: Sequence[int]) -> list[torch.Tensor]:
+        """Copies of the rows, every layer (fire drills: a write made not to land)."""
+        b, s = self._ids(blocks, slots)
+        return [g(b, s).clone() for g in self.gathers]
+
+    def restore(self, blocks: Sequence[int], slots: Sequence[int], rows: list[torch.Tensor]) -> None:
+        b, s = self._ids(blocks, slots)
+        for g, values in zip(self.gathers, rows, strict=True):
+            g.put(b, s, values)
+
+    def flip(self, block: int, slots: Sequence[int], layer: int, bit: int) -> None:
+        """Flip one bit of the first element of each of these rows in one layer (fire drills)."""
+        b, s = self._ids([block] * len(slots), slots)
+        access = self.gathers[layer]
+        values = access(b, s).clone()
+        values.view(torch.uint8)[:, 0] ^= 1 << (bit % 8)
+        access.put(b, s, values)
 
     def roll(self, blocks: Sequence[int]) -> None:
         """Blocks handed to a new owner: their rows become the previous generation's."""

@@ -27,8 +27,11 @@ from vllm_kvguard.tools.workload import Workload
 
 DEFAULT_SPEC = (
     "bitflip:count=3,seed=11;overwrite:count=1,seed=12;zero:count=1,seed=13;nan:count=1,seed=14;"
-    "nan:at=write,count=1,seed=15"
+    "nan:at=write,count=1,seed=15;partial:count=2,seed=16;lost_write:count=1,seed=17;"
+    "identity:count=1,seed=18"
 )
+# What each kind should be diagnosed as: the shape of the change, or the finding itself.
+EXPECTED_FINDING = {**{kind: str(shape) for kind, shape in EXPECTED.items()}, "identity": "identity_mismatch"}
 ENGINE_ARGS: dict[str, Any] = {
     "dtype": "bfloat16",
     "enforce_eager": True,
@@ -36,6 +39,9 @@ ENGINE_ARGS: dict[str, Any] = {
     "block_size": 32,
     "max_model_len": 1024,
     "max_num_seqs": 8,
+    # A small pool, so that blocks change hands while the drill runs: a lost_write fault needs
+    # a page whose previous owner computed something else.
+    "num_gpu_blocks_override": 96,
 }
 
 
@@ -65,6 +71,8 @@ class DrillReport:
     faults: list[dict[str, Any]] = field(default_factory=list)
     corrupted_blocks: int = 0
     nonfinite_blocks: int = 0
+    identity_mismatches: int = 0
+    writes_lost: int = 0
     requests_healed: int = 0
     requests_suspect: int = 0
     requests_failed: int = 0
@@ -98,7 +106,7 @@ class DrillReport:
 
 def row_key(kind: str, at: str) -> str:
     """The table's row for a fault: its kind, with ``@write`` for a fault at write time."""
-    return kind if at == "rest" else f"{kind}@{at}"
+    return f"{kind}@{at}" if at == "write" else kind
 
 
 def _ts(line: dict[str, Any]) -> float:
@@ -147,6 +155,12 @@ def summarize(
         elif event == "kv_block_nonfinite":
             report.nonfinite_blocks += 1
             shapes_of.setdefault(line.get("block_id", -1), []).append((_ts(line), "nonfinite"))
+        elif event == "kv_block_identity_mismatch":
+            report.identity_mismatches += 1
+            shapes_of.setdefault(line.get("block_id", -1), []).append((_ts(line), "identity_mismatch"))
+        elif event == "kv_block_write_lost":
+            report.writes_lost += 1
+            shapes_of.setdefault(line.get("block_id", -1), []).append((_ts(line), "stale"))
         elif event == "kv_block_quarantined" and line.get("pinned"):
             report.quarantined += 1
         elif event == "kv_request_affected":
@@ -164,7 +178,7 @@ def summarize(
                 "kind": kind,
                 "block_id": blocks[fid],
                 "outcome": result,
-                "expected_shape": str(EXPECTED[kind]) if kind in EXPECTED else None,
+                "expected_shape": EXPECTED_FINDING.get(kind),
                 "shape": seen[0] if result == "detected" and seen else None,
             }
         )
@@ -178,7 +192,7 @@ def summarize(
                 row.detected += 1
                 report.detection_ms.append(round((when - injected_at[fid]) * 1000.0, 1))
                 found = [shape for t, shape in shapes_of.get(blocks[fid], []) if t >= injected_at[fid]]
-                if found and found[0] == EXPECTED.get(kind):
+                if found and found[0] == EXPECTED_FINDING.get(kind):
                     row.diagnosed += 1
             else:
                 row.escaped += 1
@@ -215,6 +229,8 @@ def render(report: DrillReport) -> str:
         f"mode                          {report.mode}",
         f"corrupted blocks detected     {report.corrupted_blocks}",
         f"non-finite pages at write     {report.nonfinite_blocks}",
+        f"identity mismatches           {report.identity_mismatches}",
+        f"writes lost                   {report.writes_lost}",
         f"blocks quarantined            {report.quarantined}",
         f"blocks repaired in place      {report.repaired}",
         "shapes diagnosed              "
@@ -286,6 +302,8 @@ def _drill(
             "VLLM_KVGUARD_MODE": str(mode),
             "VLLM_KVGUARD_INJECT": spec,
             "VLLM_KVGUARD_LOG_FILE": str(guard_log),
+            # The drill's pool is small (ENGINE_ARGS): room in the quarantine for every fault's page.
+            "VLLM_KVGUARD_QUARANTINE_MAX_FRACTION": "0.1",
         }
     )
     outputs = show.run(

@@ -31,7 +31,7 @@ def test_bad_specs_say_what_is_wrong(spec: str, why: str) -> None:
         parse_fault_spec(spec)
     assert str(info.value).startswith(f"VLLM_KVGUARD_INJECT={spec!r} is not valid")
     assert why in str(info.value)
-    assert "bitflip | overwrite | zero | nan" in str(info.value)
+    assert "bitflip | overwrite | zero | nan | partial | lost_write | identity" in str(info.value)
 
 
 def test_count_faults_one_per_step_on_fresh_pages_deterministic() -> None:
@@ -95,3 +95,42 @@ def test_rank_key_targets_one_worker() -> None:
         parse_fault_spec("bitflip:rank=-1")
     (inj,) = FaultTracker([spec]).inject(0, [5], 2)
     assert inj.rank == 1 and inj.block_id == 5
+
+
+def test_the_new_kinds_have_their_own_site() -> None:
+    from vllm_kvguard.core.faults import FaultSite
+
+    specs = parse_fault_spec("partial:count=2;lost_write:seed=3;identity")
+    assert [(s.kind, s.at) for s in specs] == [
+        (FaultKind.PARTIAL, FaultSite.FILLING),
+        (FaultKind.LOST_WRITE, FaultSite.FORWARD),
+        (FaultKind.IDENTITY, FaultSite.CACHE),
+    ]
+    with pytest.raises(KVGuardConfigError, match="partial has its own site; leave at= out"):
+        parse_fault_spec("partial:at=rest")
+    with pytest.raises(KVGuardConfigError, match="at='filling' is not rest or write"):
+        parse_fault_spec("bitflip:at=filling")
+
+
+def test_partial_faults_are_read_when_their_rows_are_checked_and_lost_writes_at_once() -> None:
+    from vllm_kvguard.core.faults import FaultSite
+
+    tracker = FaultTracker(parse_fault_spec("partial:count=1;lost_write:count=1"))
+    (partial,) = tracker.inject(1, [7], 1, FaultSite.FILLING)
+    (lost,) = tracker.inject(1, [8], 1, FaultSite.FORWARD)
+    assert tracker.verified(1, {8}) == [(lost.fault_id, True)]
+    tracker.verifying(3, [7])  # its rows verified (or checked at fill) at step 3
+    assert tracker.verified(3, set()) == [(partial.fault_id, False)]
+    assert tracker.footprint() == 0
+
+
+def test_an_identity_fault_is_read_through_either_page_once() -> None:
+    from vllm_kvguard.core.faults import FaultSite
+
+    tracker = FaultTracker(parse_fault_spec("identity:count=1"))
+    (fault,) = tracker.inject(1, [4], 1, FaultSite.CACHE)
+    tracker.pair(fault.fault_id, 9)
+    tracker.verifying(2, [9])
+    tracker.verifying(2, [4])  # the other page in the same step: still one fault
+    assert tracker.verified(2, {9}) == [(fault.fault_id, True)]
+    assert tracker.allocated([4]) == [] and tracker.footprint() == 0

@@ -285,7 +285,7 @@ def test_plan_lists_the_rows_each_forward_writes_and_the_blocks_handed_out() -> 
     ledger = BlockLedger(16, BS)
     plan = ledger.plan([req("a", 0, 6, True, [1, 2], [1, 2])])
     assert plan.given == [1, 2]
-    assert list(zip(plan.written_blocks, plan.written_slots)) == [
+    assert list(zip(plan.written_blocks, plan.written_slots, strict=True)) == [
         (1, 0),
         (1, 1),
         (1, 2),
