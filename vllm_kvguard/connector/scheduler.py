@@ -587,6 +587,8 @@ class KVGuardScheduler:
             read_unverified = unverified_steps > 0 and any(r not in hitters for r in readers)
             decision = policy.on_repaired(self.config.mode, read_unverified=read_unverified)
             self.counters.add("repaired")
+        elif unfilled:
+            decision = policy.on_unfilled_corruption(self.config.mode)
         else:
             decision = policy.on_corruption(self.config.mode)
         self.counters.add("corruptions", label="checksum_mismatch")

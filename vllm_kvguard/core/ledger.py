@@ -72,6 +72,8 @@ class StepPlan:
     written_blocks: list[int] = field(default_factory=list)
     written_slots: list[int] = field(default_factory=list)
     read_partial: list[int] = field(default_factory=list)
+    # Pages whose first slot this step writes: every row they hold is known good after it.
+    started: list[int] = field(default_factory=list)
     # Per request with pages handed out this step: (request, positions in its table, blocks).
     given_pages: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)
 
@@ -235,8 +237,8 @@ class BlockLedger:
                 plan.seal.extend(blocks.tolist())
                 positions = np.arange(first_sealed, last_sealed, dtype=np.int64)[keep]
                 plan.sealed_pages.append((req.req_id, positions, blocks))
-        if plan.seal or plan.verify:
-            self.mark_verified(plan.seal + plan.verify, now)
+        if plan.seal or plan.verify or plan.started:
+            self.mark_verified(plan.seal + plan.verify + plan.started, now)
         if read_budget != 0:
             running = [r for r in requests if not r.fresh and r.num_computed >= bs]
             plan.read_verify = self._reads(running, read_budget, now)
@@ -254,10 +256,14 @@ class BlockLedger:
         if req.num_new == 1:
             plan.written_blocks.append(table[first // bs])
             plan.written_slots.append(first % bs)
+            if first % bs == 0:
+                plan.started.append(table[first // bs])
             return
         positions = np.arange(first, end)
-        plan.written_blocks.extend(np.asarray(table, dtype=np.int64)[positions // bs].tolist())
+        blocks = np.asarray(table, dtype=np.int64)[positions // bs]
+        plan.written_blocks.extend(blocks.tolist())
         plan.written_slots.extend((positions % bs).tolist())
+        plan.started.extend(blocks[positions % bs == 0].tolist())
 
     def mark_verified(self, block_ids: Sequence[int] | np.ndarray, now: float) -> None:
         """Blocks sealed or verified in the current step (one numpy pass, no Python per block)."""

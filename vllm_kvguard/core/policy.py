@@ -103,6 +103,18 @@ def on_corruption(mode: Mode) -> Decision:
     return Decision(Action.QUARANTINED_RECOMPUTED, HEALED, evict=True, quarantine=True)
 
 
+def on_unfilled_corruption(mode: Mode) -> Decision:
+    """Written rows of a page still being written changed (row digests). As on_corruption, but
+    the page is not quarantined: its writer still holds it and rewrites it as it recomputes (a
+    quarantined block in a live block table would be cached again by vLLM when it fills, and
+    every later hit on it would be a violation). A cell that keeps failing shows up again."""
+    if mode == Mode.LOG:
+        return Decision(Action.LOGGED, SUSPECT)
+    if mode == Mode.RAISE:
+        return Decision(Action.REQUESTS_FAILED, FAILED, evict=True, fail_readers=True)
+    return Decision(Action.RECOMPUTED, HEALED, evict=True)
+
+
 NONFINITE_AGAIN = "non-finite again after a recompute: the model computes it, not a memory fault"
 
 

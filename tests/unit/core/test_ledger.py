@@ -315,11 +315,13 @@ def test_unfilled_pages_are_verified_with_the_pages_read_and_owner_keys_roll() -
     assert plan.read_verify == [1] and plan.read_partial == [2]
     assert ledger.last_good_step(2, plan.step + 1) == plan.step
     ledger.release_request("a")
-    ledger.plan([req("b", 0, 1, True, [2], [2])])
+    plan = ledger.plan([req("b", 0, 1, True, [2], [2])])
     assert ledger.previous_key[2] == 6 and ledger.owner_key[2] == 0
+    # A new owner's page is known good from its own first write on (a previous life's checks
+    # do not count).
+    assert plan.started == [2] and ledger.last_good_step(2, plan.step + 1) == plan.step
+    assert ledger.last_good_step(2, plan.step) == -1
     # Unknown owner: never evidence of a lost write.
     assert ledger.same_computation(2)
     ledger.record_owners(np.array([2]), np.array([7], dtype=np.uint64))
     assert not ledger.same_computation(2)
-    # A new owner starts with nothing known good.
-    assert ledger.last_good_step(2, 99) == -1

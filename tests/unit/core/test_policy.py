@@ -194,3 +194,19 @@ def test_write_lost(mode: Mode, action: Action, outcome: str, invalidate: bool) 
     d = policy.on_write_lost(mode)
     assert (d.action, d.outcome, d.invalidate) == (action, outcome, invalidate)
     assert not d.quarantine
+
+
+@pytest.mark.parametrize(
+    ("mode", "action", "outcome", "evict", "fail"),
+    [
+        (Mode.QUARANTINE, Action.RECOMPUTED, "healed", True, False),
+        (Mode.RAISE, Action.REQUESTS_FAILED, "failed", True, True),
+        (Mode.LOG, Action.LOGGED, "suspect", False, False),
+    ],
+)
+def test_unfilled_page_corruption_is_never_quarantined(
+    mode: Mode, action: Action, outcome: str, evict: bool, fail: bool
+) -> None:
+    d = policy.on_unfilled_corruption(mode)
+    assert (d.action, d.outcome, d.evict, d.fail_readers) == (action, outcome, evict, fail)
+    assert not d.quarantine and not d.invalidate  # the worker reports the block itself
