@@ -13,6 +13,7 @@ forward: seal pages whose last slot was written, drill faults),
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from dataclasses import replace
@@ -28,7 +29,7 @@ from vllm_kvguard.core.faults import FaultKind, FaultSite, Injection
 from vllm_kvguard.core.shapes import Shape, classify
 from vllm_kvguard.digest import DeviceDigestTable, DigestTable, KVPages, PendingCheck
 from vllm_kvguard.digest.kernel import kernel_available
-from vllm_kvguard.digest.rows import AxisRows, PackedRows, RowAccess, RowDigests
+from vllm_kvguard.digest.rows import AxisRows, PackedRows, RowAccess, RowDigests, StridedRows, strided_parts
 from vllm_kvguard.digest.syndrome import locate, page_words, syndromes
 from vllm_kvguard.logs import GuardLog
 
@@ -59,6 +60,25 @@ def _cpu_isa(name: str, dtype: torch.dtype, block_size: int, head_size: int) -> 
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return str(_get_attn_isa(dtype, block_size, head_size))
+
+
+def _layer_stride(tensors: list[torch.Tensor]) -> int | None:
+    """The element stride between consecutive layers when every layer is a same-shaped view into
+    one buffer at evenly spaced offsets (vLLM's CPU worker allocates them so); else None."""
+    if len(tensors) < 2:
+        return None
+    first = tensors[0]
+    same = all(
+        t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and t.shape == first.shape
+        and t.stride() == first.stride()
+        and t.dtype == first.dtype
+        for t in tensors
+    )
+    if not same:
+        return None
+    gaps = {int(b.storage_offset()) - int(a.storage_offset()) for a, b in itertools.pairwise(tensors)}
+    return gaps.pop() if len(gaps) == 1 and next(iter(gaps), 0) > 0 else None
 
 
 def cpu_slot_elements(
@@ -200,8 +220,24 @@ class KVGuardWorker:
                 name = self.pages.names[0]
                 isa = _cpu_isa(name, first.dtype, bs, page_shape[-1] // 2)
                 elements = cpu_slot_elements(page_shape, first.dtype, bs, isa)
-                gathers: list[RowAccess] = [PackedRows(t, elements) for t in self.pages.tensors]
-                how = f"on (CPU layout {isa}, probed)"
+                parts = strided_parts(elements, 2)  # K and V of each head
+                tensors = self.pages.tensors
+                layers = _layer_stride(tensors)
+                gathers: list[RowAccess]
+                if parts is not None and layers is not None:
+                    gathers = [StridedRows(tensors[0], parts, (len(tensors), layers))]
+                elif parts is not None:
+                    gathers = [StridedRows(t, parts) for t in tensors]
+                else:
+                    gathers = [PackedRows(t, elements) for t in tensors]
+                kind = (
+                    "packed"
+                    if parts is None
+                    else "strided"
+                    if layers is None
+                    else "strided, layers in one view"
+                )
+                how = f"on (CPU layout {isa}, probed, {kind})"
             else:
                 axis = slot_axis(page_shape, bs)
                 if axis is None:

@@ -67,6 +67,78 @@ class AxisRows(RowAccess):
         self.view[blocks, slots] = values.reshape(self.view[blocks, slots].shape)
 
 
+class StridedRows(RowAccess):
+    """Rows of a layout whose slot elements form a few strided patterns in each page (vLLM's CPU
+    ``vec`` layout: K transposed per head, V row by row): one (num_blocks, block_size, ...)
+    strided view per pattern, gathered like :class:`AxisRows`. ``parts``: (offset of slot 0's
+    first element in the page, (slot stride, then the pattern's own sizes and strides))."""
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        parts: Sequence[tuple[int, tuple[int, ...], tuple[int, ...]]],
+        layers: tuple[int, int] | None = None,
+    ) -> None:
+        # ``layers`` = (count, element stride between layers): every layer of one backing buffer
+        # in one view, so that a step's rows are two gathers, not two per layer.
+        block_stride = tensor.stride(0)
+        extra_size, extra_stride = ((layers[0],), (layers[1],)) if layers else ((), ())
+        self.views = [
+            torch.as_strided(
+                tensor,
+                (tensor.shape[0], sizes[0], *extra_size, *sizes[1:]),
+                (block_stride, strides[0], *extra_stride, *strides[1:]),
+                tensor.storage_offset() + offset,
+            )
+            for offset, sizes, strides in parts
+        ]
+
+    def __call__(self, blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        n = len(blocks)
+        return torch.cat([v[blocks, slots].reshape(n, -1) for v in self.views], dim=1)
+
+    def put(self, blocks: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+        start = 0
+        for v in self.views:
+            width = v[0, 0].numel()
+            v[blocks, slots] = values[:, start : start + width].reshape(v[blocks, slots].shape)
+            start += width
+
+
+def strided_parts(
+    elements: np.ndarray, parts: int
+) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]] | None:
+    """Fit a slot element map (slots, elements; each slot's elements in ascending order) as
+    ``parts`` interleaved strided patterns: each slot's elements split as (groups, parts, width)
+    and each part linear in (slot, group, index). None when it is not (a packed layout such as
+    AMX's): the rows are then gathered element by element (:class:`PackedRows`)."""
+    slots, total = elements.shape
+    if slots < 2 or total % parts:
+        return None
+    for width in sorted({d for d in range(1, total // parts + 1) if (total // parts) % d == 0}, reverse=True):
+        groups = total // parts // width
+        shaped = elements.reshape(slots, groups, parts, width).astype(np.int64)
+        out: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        for p in range(parts):
+            e = shaped[:, :, p, :]
+            base = int(e[0, 0, 0])
+            slot = int(e[1, 0, 0] - base)
+            group = int(e[0, 1, 0] - base) if groups > 1 else 0
+            index = int(e[0, 0, 1] - base) if width > 1 else 0
+            fit = (
+                base
+                + slot * np.arange(slots)[:, None, None]
+                + group * np.arange(groups)[None, :, None]
+                + index * np.arange(width)[None, None, :]
+            )
+            if not np.array_equal(fit, e):
+                break
+            out.append((base, (slots, groups, width), (slot, group, index)))
+        else:
+            return out
+    return None
+
+
 class PackedRows(RowAccess):
     """Rows of a packed layout: ``elements[s]`` lists the page's elements (flat, in memory order
     of a contiguous page) that slot ``s`` writes (vLLM's CPU layouts pack K per instruction set;
@@ -139,9 +211,7 @@ class RowDigests:
         self.device = tensors[0].device
         self.on_host = all(t.device.type == "cpu" for t in tensors)
         probe = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.row_bytes = sum(
-            g(probe, probe).numel() * t.element_size() for g, t in zip(gathers, tensors, strict=True)
-        )
+        self.row_bytes = sum(g(probe, probe).numel() for g in gathers) * tensors[0].element_size()
         if not self.on_host and self.row_bytes % 8:
             raise ValueError("device rows must be whole 64-bit words")
         self.rows = np.zeros((num_blocks, block_size), dtype=np.uint64)

@@ -25,6 +25,8 @@ CONFIGS: dict[str, dict[str, str]] = {
     "off": {"VLLM_KVGUARD": "0"},
     "default": {"VLLM_KVGUARD": "1"},
     "paranoid": {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_VERIFY": "paranoid"},
+    # The default without row digests (full pages only, as before issue 13): what rows cost.
+    "rows-off": {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_ROWS": "0"},
 }
 ENGINE_ARGS: dict[str, Any] = {
     "dtype": "bfloat16",

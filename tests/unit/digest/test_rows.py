@@ -37,7 +37,10 @@ def _packed_cache(num_blocks: int = 6) -> tuple[torch.Tensor, np.ndarray]:
     index = np.arange(heads * BS * 2 * head).reshape(heads, 2, BS * head)
     k = index[:, 0].reshape(heads, head, BS)  # K: element (d, slot)
     v = index[:, 1].reshape(heads, BS, head)  # V: element (slot, d)
-    elements = np.stack([np.concatenate([k[:, :, s].ravel(), v[:, s, :].ravel()]) for s in range(BS)])
+    # In ascending order, as the probe finds them (cpu_slot_elements).
+    elements = np.stack(
+        [np.sort(np.concatenate([k[:, :, s].ravel(), v[:, s, :].ravel()])) for s in range(BS)]
+    )
     return cache, elements
 
 
@@ -80,3 +83,20 @@ def test_axis_layout_gathers_the_slot_dimension() -> None:
     assert rows.check(np.array([2]), np.array([3])).tolist() == []
     cache[2, 0, 3, 1, 4] += 1
     assert rows.check(np.array([2]), np.array([3])).tolist() == [0]
+
+
+def test_a_strided_layout_is_fitted_from_the_element_map_and_reads_the_same_rows() -> None:
+    from vllm_kvguard.digest.rows import StridedRows, strided_parts
+
+    cache, elements = _packed_cache()
+    parts = strided_parts(elements, 2)
+    assert parts is not None and len(parts) == 2
+    packed, strided = PackedRows(cache, elements), StridedRows(cache, parts)
+    b, s = torch.tensor([1, 4, 4]), torch.tensor([0, 3, 1])
+    # The same elements (each access keeps its own order: element order, or part by part).
+    assert torch.equal(packed(b, s).sort(dim=1).values, strided(b, s).sort(dim=1).values)
+    strided.put(b[:1], s[:1], torch.zeros(1, elements.shape[1]))
+    assert not packed(b[:1], s[:1]).any() and packed(b[1:], s[1:]).all()
+    # A map that is no strided pattern (elements shuffled across the page) is not fitted.
+    perm = np.random.default_rng(1).permutation(cache[0].numel())
+    assert strided_parts(np.sort(perm[elements], axis=1), 2) is None
