@@ -123,11 +123,12 @@ def scheduled_requests(so: SchedulerOutput, block_size: int, manager: Any) -> li
 def request_inputs(request: Request) -> RequestInputs:
     """What a request's pages are computed from, read from vLLM's ``Request`` by the guard
     itself (digest/identity.py): its live token list, LoRA adapter (name and path), cache
-    salt, multimodal inputs and prompt embeddings."""
+    salt, multimodal inputs (content hash and placement) and prompt embeddings."""
     lora = getattr(request, "lora_request", None)
     adapter = None
     if lora is not None:
-        adapter = f"{getattr(lora, 'lora_name', '')}#{getattr(lora, 'lora_int_id', '')}#" + str(
+        # Name and path: what the adapter's weights are (the numeric id is the server's handle).
+        adapter = f"{getattr(lora, 'lora_name', '')}#" + str(
             getattr(lora, "lora_path", "") or getattr(lora, "path", "")
         )
     media = tuple(

@@ -51,3 +51,34 @@ def test_resumed_request_sent_in_full_vllm_0_34() -> None:
     back = SimpleNamespace(req_id="back", block_ids=([7, 8, 9],), num_computed_tokens=4)
     rows = [_row(r) for r in _view(cached, [back])]
     assert rows == [("back", 4, 3, True, [8, 9], [7, 8, 9]), ("run", 9, 1, False, [], [1, 2, 3])]
+
+
+def test_the_guard_reads_every_input_a_page_is_keyed_by_from_the_request() -> None:
+    import numpy as np
+    import torch
+
+    from vllm_kvguard.connector.scheduler import request_inputs
+    from vllm_kvguard.digest.identity import PageIdentity
+
+    def request(**extra: Any) -> Any:
+        fields = {"all_token_ids": list(range(8)), "lora_request": None, "cache_salt": None}
+        fields.update(extra)
+        return SimpleNamespace(**fields)
+
+    def pages(req: Any) -> list[int]:
+        identity = PageIdentity(BS)
+        identity.add("r", request_inputs(req))
+        return identity.fingerprints("r", np.arange(2)).tolist()
+
+    base = pages(request())
+    lora = pages(request(lora_request=SimpleNamespace(lora_name="a", lora_int_id=1, lora_path="/p")))
+    same_adapter_other_handle = pages(
+        request(lora_request=SimpleNamespace(lora_name="a", lora_int_id=7, lora_path="/p"))
+    )
+    salt = pages(request(cache_salt="tenant"))
+    image = SimpleNamespace(identifier="img", mm_position=SimpleNamespace(offset=5, length=2))
+    media = pages(request(mm_features=[image]))
+    embeds = pages(request(prompt_embeds=torch.ones(8, 3)))
+    assert len({base[0], lora[0], salt[0], embeds[0]}) == 4
+    assert lora == same_adapter_other_handle
+    assert media[0] == base[0] and media[1] != base[1]
