@@ -122,13 +122,26 @@ def test_control_a_corrupted_unfilled_page_is_laundered_into_a_reused_page(tiny_
 
 @pytest.mark.parametrize(
     ("mode", "verify"),
-    [("quarantine", "paranoid"), ("quarantine", "sampled"), ("quarantine", "reuse"), ("log", "reuse")],
+    [
+        ("quarantine", "paranoid"),
+        ("quarantine", "sampled"),
+        ("quarantine", "reuse"),
+        ("quarantine", "scrub"),
+        ("log", "reuse"),
+    ],
 )
 def test_unfilled_page_corruption_is_caught_before_the_page_is_sealed_or_reused(
     tiny_model: str, tmp_path: Path, mode: str, verify: str
 ) -> None:
     log = tmp_path / "guard.jsonl"
-    env = {**guard_env(mode, log, VLLM_KVGUARD_VERIFY=verify, VLLM_KVGUARD_SCRUB_INTERVAL="0"), **INPROC}
+    if verify == "scrub":
+        # Nothing verifies reads; the scrubber walks every page (sealed and being written) in a
+        # few steps.
+        extra = {"VLLM_KVGUARD_VERIFY": "reuse", "VLLM_KVGUARD_SCRUB_INTERVAL": "0.05s"}
+        extra["VLLM_KVGUARD_SCRUB_BUDGET"] = "4MiB"
+    else:
+        extra = {"VLLM_KVGUARD_VERIFY": verify, "VLLM_KVGUARD_SCRUB_INTERVAL": "0"}
+    env = {**guard_env(mode, log, **extra), **INPROC}
     with engine(tiny_model, env) as llm:
         r = _laundering(llm)
         counted = metric(llm, "vllm:kvguard_corruptions_detected", kind="checksum_mismatch")
@@ -151,6 +164,8 @@ def test_unfilled_page_corruption_is_caught_before_the_page_is_sealed_or_reused(
         # Not verified while written: caught at fill, never sealed; V read the changed rows.
         assert first["trigger"] == "seal"
         assert outcomes["v"] == ("failed" if mode == "quarantine" else "suspect")
+    elif verify == "scrub":
+        assert first["trigger"] == "scrub" and outcomes["v"] in ("healed", "failed")
     else:
         assert first["trigger"] in ("sampled", "seal")
         assert outcomes["v"] in ("healed", "failed")

@@ -28,6 +28,8 @@ class KVGuardMetadata(KVConnectorMetadata):
     plan: StepPlan
     read_trigger: str = ""
     scrub: list[int] = field(default_factory=list)
+    # The scrub pages still being written: verified by their rows (digest/rows.py).
+    scrub_filling: list[int] = field(default_factory=list)
     # Blocks the workers report as unreadable this step, so that vLLM recomputes (or,
     # under the fail policy, fails) the requests holding them: non-finite pages found
     # at an earlier seal, blocks a lifecycle violation made unreadable.

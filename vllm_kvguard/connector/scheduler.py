@@ -43,6 +43,7 @@ from vllm_kvguard.core.events import (
 from vllm_kvguard.core.faults import FaultSite, FaultTracker, Injection, parse_fault_spec
 from vllm_kvguard.core.ledger import (
     BlockLedger,
+    BlockState,
     IdentityMismatch,
     LifecycleViolation,
     ScheduledRequest,
@@ -359,7 +360,11 @@ class KVGuardScheduler:
 
     def _plan_scrub(self, meta: KVGuardMetadata, now: float) -> None:
         assert self.scrubber is not None
-        meta.scrub = self.scrubber.select(self.ledger, now)
+        scrub = self.scrubber.select(self.ledger, now)
+        if scrub:
+            ids = np.asarray(scrub, dtype=np.int64)
+            filling = self.ledger.state[ids] == BlockState.FILLING
+            meta.scrub, meta.scrub_filling = ids[~filling].tolist(), ids[filling].tolist()
         if self.scrubber.behind and not self._scrub_behind_logged:
             self._scrub_behind_logged = True
             self.log.line(
@@ -406,7 +411,9 @@ class KVGuardScheduler:
             self.log.event("kv_fault_outcome", FaultOutcome(fid, "not_read", plan.step))
         # A fault is read when its page is verified: reused, or walked by the scrubber; a page
         # still being written also when its rows are verified, or checked at fill.
-        self.faults.verifying(plan.step, plan.verify + meta.scrub + plan.read_partial + plan.seal)
+        self.faults.verifying(
+            plan.step, plan.verify + meta.scrub + meta.scrub_filling + plan.read_partial + plan.seal
+        )
         blocks = self.block_pool.blocks
         candidates = self.ledger.idle_sealed(lambda b: blocks[b].ref_cnt > 0 or blocks[b].block_hash is None)
         meta.inject = self.faults.inject(plan.step, candidates, self._num_layers)

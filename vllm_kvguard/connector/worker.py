@@ -287,8 +287,8 @@ class KVGuardWorker:
                 self._verify(meta, plan.verify, "reuse")
             if meta.scrub:
                 self._verify(meta, meta.scrub, "scrub")
-        if self.rows is not None and meta.scrub:
-            self._verify_rows(meta, self._unsealed(meta.scrub), "scrub")
+        if self.rows is not None and meta.scrub_filling:
+            self._verify_rows(meta, meta.scrub_filling, "scrub")
         if meta.invalidate and self.config.mode != Mode.LOG:
             self._invalid.update(meta.invalidate)
             self.table.forget(meta.invalidate)
@@ -439,11 +439,6 @@ class KVGuardWorker:
             # between layers costs far less than one per layer (docs/performance.md).
             layers, self._reads_left = sorted(self._reads_left), set()
             self._verify_reads(layers)
-
-    def _unsealed(self, block_ids: list[int]) -> list[int]:
-        assert self.table is not None
-        ids = np.asarray(block_ids, dtype=np.int64)
-        return ids[~self.table.sealed[ids]].tolist() if len(ids) else []
 
     def _verify_rows(self, meta: KVGuardMetadata, block_ids: list[int], trigger: str) -> set[int]:
         """Unfilled pages: re-hash their written rows (digest/rows.py) and compare. Returns the
