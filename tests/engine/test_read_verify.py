@@ -54,8 +54,9 @@ def _run_with_mid_decode_flip(llm, log: Path) -> tuple[str, str | None, int | No
     ("policy", "budget", "bound"),
     [
         ("paranoid", None, 1),
-        # One page (2 layers x 16 KiB) per step, 4 pages read: caught within 4 steps.
-        ("sampled", "32KiB", 4),
+        # One page (2 layers x 16 KiB) per step, 4 full pages read and the unfilled page being
+        # written (its rows are in the rotation too): caught within 5 steps.
+        ("sampled", "32KiB", 5),
     ],
 )
 def test_running_request_page_corrupted_mid_decode(

@@ -446,7 +446,11 @@ class KVGuardScheduler:
         assert self.faults is not None and self.block_pool is not None
         own = self.ledger.fingerprint[inj.block_id]
         for partner in candidates:
-            different = partner != inj.block_id and self.ledger.fingerprint[partner] != own
+            different = (
+                partner != inj.block_id
+                and self.ledger.fingerprint[partner] != own
+                and not self.faults.pending(partner)
+            )
             if different and patches.swap_cached_hashes(self.block_pool, inj.block_id, partner):
                 self.faults.pair(inj.fault_id, partner)
                 return replace(inj, partner=partner)

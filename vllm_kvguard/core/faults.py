@@ -262,6 +262,10 @@ class FaultTracker:
             out.append(Injection(fid, spec.kind, block, layer, rng.randrange(2**31), at, spec.rank))
         return out
 
+    def pending(self, block: int) -> bool:
+        """Whether a fault waits for a reader of this page (another fault must not land on it)."""
+        return any(fid in self.faults for fid in self._pending.get(block, ()))
+
     def pair(self, fault_id: int, partner: int) -> None:
         """An identity fault is read through either of its two pages."""
         self._pending.setdefault(partner, []).append(fault_id)
