@@ -425,9 +425,10 @@ class KVGuardScheduler:
             filling = sorted({b for b in plan.written_blocks if b not in sealed})
             meta.inject = self.faults.inject(plan.step, filling, self._num_layers, FaultSite.FILLING)
         if meta.lost_write_check and not meta.inject:
-            meta.inject = self.faults.inject(
-                plan.step, meta.lost_write_check, self._num_layers, FaultSite.FORWARD
-            )
+            # A page's first writes of its new owner: what they replace is the previous owner's.
+            given = set(plan.given)
+            first = [b for b in meta.lost_write_check if b in given]
+            meta.inject = self.faults.inject(plan.step, first, self._num_layers, FaultSite.FORWARD)
         if candidates and not meta.inject:
             known = [b for b in candidates if self.ledger.fingerprint[b]]
             due = self.faults.inject(plan.step, known, 1, FaultSite.CACHE)

@@ -767,7 +767,12 @@ class KVGuardWorker:
             return
         slots, rows = taken
         blocks = [injection.block_id] * len(slots)
-        if not self.rows.previous[injection.block_id, slots].any():
+        now = self.rows.snapshot(blocks, slots)
+        if (
+            injection.block_id in self._invalid  # reported bad this step: rewritten next step
+            or not self.rows.previous[injection.block_id, slots].any()
+            or all(torch.equal(a, b) for a, b in zip(now, rows, strict=True))
+        ):
             self._worker_meta().unchanged_faults.append(injection.fault_id)
             return
         self.rows.restore(blocks, slots, rows)
@@ -775,8 +780,8 @@ class KVGuardWorker:
     def _corrupt_rows(self, injection: Injection) -> bool:
         """A ``partial`` fault: one bit flipped in every written row of an unfilled page, in one
         layer, after the rows were recorded. Returns whether any row was there to change."""
-        if self.rows is None:
-            return False
+        if self.rows is None or injection.block_id in self._invalid:
+            return False  # (a page reported bad this step is rewritten by its recompute)
         _, slots = self.rows.written([injection.block_id])
         if not len(slots):
             return False
