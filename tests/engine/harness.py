@@ -105,6 +105,41 @@ def spy_invalid_blocks(scheduler: Any) -> list[set[int]]:
     return seen
 
 
+def kv_layers(worker: Any) -> list[Any]:
+    """A worker's KV tensors, one per attention layer (shared ones once), blocks on dim 0 (CPU)."""
+    seen: dict[int, Any] = {}
+    for t in worker.model_runner.kv_caches:
+        seen.setdefault(t.data_ptr(), t)
+    return list(seen.values())
+
+
+def run_to_end(core: Any) -> dict[str, Any]:
+    """Step an in-process engine until every request finished; final outputs by the caller's id."""
+    finished: dict[str, Any] = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                finished[out.request_id.rsplit("-", 1)[0]] = out
+    return finished
+
+
+def honest(out: Any, clean: str) -> bool:
+    """The contract for one request: the clean text, an error, or flagged by the guard."""
+    from vllm_kvguard import KVCacheCorruptionError
+
+    c = out.outputs[0]
+    flagged = str(c.stop_reason or "").startswith(KVCacheCorruptionError.PREFIX)
+    return c.text == clean or c.finish_reason == "error" or flagged
+
+
+def affected_once(log: Path) -> dict[str, str]:
+    """Each request's ``kv_request_affected`` outcome, by the caller's id; checks it came once."""
+    lines = events(log, "kv_request_affected")
+    ids = [line["request_id"].rsplit("-", 1)[0] for line in lines]
+    assert len(ids) == len(set(ids)), f"reported more than once per request: {ids}"
+    return dict(zip(ids, [line["outcome"] for line in lines], strict=True))
+
+
 def greedy(max_tokens: int) -> Any:
     from vllm import SamplingParams
 

@@ -16,7 +16,16 @@ from typing import Any
 
 import pytest
 
-from tests.engine.harness import core_scheduler, engine, events, greedy, guard_env, metric, words
+from tests.engine.harness import (
+    core_scheduler,
+    engine,
+    events,
+    greedy,
+    guard_env,
+    metric,
+    run_to_end,
+    words,
+)
 from vllm_kvguard import KVCacheCorruptionError
 
 pytestmark = pytest.mark.engine
@@ -109,15 +118,6 @@ def test_identity_check_catches_a_colliding_block_hash(
         assert affected["outcome"] == "suspect"
 
 
-def _run(core: Any) -> dict[str, Any]:
-    finished: dict[str, Any] = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if out.finished:
-                finished[out.request_id.rsplit("-", 1)[0]] = out
-    return finished
-
-
 def test_a_collision_on_a_page_its_owner_still_reads_ends_the_reader_not_the_owner(
     tiny_model: str, tmp_path: Path
 ) -> None:
@@ -135,7 +135,7 @@ def test_a_collision_on_a_page_its_owner_still_reads_ends_the_reader_not_the_own
         for _ in range(4):
             core.step()
         core.add_request("b", PROMPT_B, greedy(24))
-        out = _run(core)
+        out = run_to_end(core)
     assert seen.get("collisions") == 1
     (line,) = events(log, "kv_block_identity_mismatch")
     assert line["request_id"].startswith("b") and line["sealed_by"].startswith("a")

@@ -20,17 +20,20 @@ from typing import Any
 import pytest
 
 from tests.engine.harness import (
+    affected_once,
     block_table_of,
     core_scheduler,
     engine,
     events,
     greedy,
     guard_env,
+    honest,
+    kv_layers,
     metric,
+    run_to_end,
     steal_on_next_allocation,
     words,
 )
-from vllm_kvguard import KVCacheCorruptionError
 
 pytestmark = pytest.mark.engine
 INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -42,56 +45,25 @@ BLOCK = 32
 # KV tensors, one per attention layer, blocks on dim 0 in the CPU layout.
 
 
-def _layers(worker: Any) -> list[Any]:
-    seen: dict[int, Any] = {}
-    for t in worker.model_runner.kv_caches:
-        seen.setdefault(t.data_ptr(), t)
-    return list(seen.values())
-
-
 def scramble(worker: Any, block: int, seed: int = 0) -> None:
     """Overwrite one page of every layer with noise (a misdirected write, a DMA gone astray)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    for t in _layers(worker):
+    for t in kv_layers(worker):
         t[block].copy_((torch.randn(t[block].shape, generator=g) * 3).to(t.dtype))
 
 
 def poison(worker: Any, block: int) -> None:
     """Fill one page of every layer with NaN."""
-    for t in _layers(worker):
+    for t in kv_layers(worker):
         t[block].fill_(float("nan"))
 
 
 def nonfinite_pages(worker: Any, blocks: list[int]) -> list[int]:
     import torch
 
-    return [b for b in blocks if any(not torch.isfinite(t[b]).all() for t in _layers(worker))]
-
-
-def _run(core: Any) -> dict[str, Any]:
-    """Step the engine until every request finished; final outputs by the caller's id."""
-    finished: dict[str, Any] = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if out.finished:
-                finished[out.request_id.rsplit("-", 1)[0]] = out
-    return finished
-
-
-def _honest(out: Any, clean: str) -> bool:
-    """The contract for one request: the clean text, an error, or flagged by the guard."""
-    c = out.outputs[0]
-    flagged = str(c.stop_reason or "").startswith(KVCacheCorruptionError.PREFIX)
-    return c.text == clean or c.finish_reason == "error" or flagged
-
-
-def _affected(log: Path) -> dict[str, str]:
-    lines = events(log, "kv_request_affected")
-    ids = [line["request_id"].rsplit("-", 1)[0] for line in lines]
-    assert len(ids) == len(set(ids)), f"reported more than once per request: {ids}"
-    return {i: line["outcome"] for i, line in zip(ids, lines, strict=True)}
+    return [b for b in blocks if any(not torch.isfinite(t[b]).all() for t in kv_layers(worker))]
 
 
 # ------------------------------------------------------------- 1. corrupted while running
@@ -115,7 +87,7 @@ def _corrupt_mid_decode(llm: Any, pick: Callable[[list[int]], int]) -> tuple[str
     (victim,) = [r.request_id for r in scheduler.running]
     block = pick(scheduler.kv_cache_manager.get_block_ids(victim)[0][:8])
     llm.collective_rpc(scramble, args=(block,))
-    return clean, _run(core)["victim"], block
+    return clean, run_to_end(core)["victim"], block
 
 
 def _just_verified(llm: Any) -> Callable[[list[int]], int]:
@@ -154,7 +126,7 @@ def test_tokens_emitted_from_a_page_corrupted_mid_decode_are_never_reported_heal
     (line,) = events(log, "kv_block_corrupted")
     assert line["block_id"] == block and line["trigger"] == "sampled"
     assert line["last_good_step"] < line["step"] - 1  # read unverified in between
-    assert _affected(log) == {"victim": _outcome(suspect)}
+    assert affected_once(log) == {"victim": _outcome(suspect)}
     assert affected_metric == 1
     assert str(c.stop_reason).startswith(f"KV-cache corruption: block {block} ")
     assert "unverified" in str(c.stop_reason)
@@ -162,7 +134,7 @@ def test_tokens_emitted_from_a_page_corrupted_mid_decode_are_never_reported_heal
         assert c.finish_reason == "error"
     else:
         assert c.finish_reason == "length" and str(c.stop_reason).endswith("(suspect)")
-    assert _honest(out, clean)
+    assert honest(out, clean)
 
 
 def _outcome(suspect: str) -> str:
@@ -180,7 +152,7 @@ def test_paranoid_verification_heals_the_same_corruption(tiny_model: str, tmp_pa
     assert line["block_id"] == block and line["last_good_step"] == line["step"] - 1
     assert out.outputs[0].finish_reason == "length" and out.outputs[0].text == clean
     assert out.outputs[0].stop_reason is None
-    assert _affected(log) == {"victim": "healed"}
+    assert affected_once(log) == {"victim": "healed"}
 
 
 # ------------------------------------------------------------ 2. full page taken while read
@@ -198,7 +170,7 @@ def _steal_a_full_page(llm: Any) -> dict[str, Any]:
     held = scheduler.kv_cache_manager.get_block_ids(victim)[0][1]
     steal_on_next_allocation(scheduler, held)
     core.add_request("thief", words(90, 2 * BLOCK), greedy(8))
-    out = _run(core)
+    out = run_to_end(core)
     out["held"] = held
     return out
 
@@ -224,7 +196,7 @@ def test_a_full_page_taken_from_a_running_request_fails_it(tiny_model: str, tmp_
     victim = out["victim"].outputs[0]
     assert victim.finish_reason == "error" and "lifecycle violation" in str(victim.stop_reason)
     assert out["thief"].outputs[0].finish_reason == "length"
-    assert _affected(log) == {"victim": "failed"}
+    assert affected_once(log) == {"victim": "failed"}
     assert events(log, "kvguard_internal_error") == []
 
 
@@ -269,7 +241,7 @@ def test_raise_mode_evicts_the_pages_every_failed_reader_wrote(tiny_model: str, 
     assert [o.num_cached_tokens for o in again] == [4 * BLOCK, 4 * BLOCK]
     (line,) = events(log, "kv_block_corrupted")
     assert line["block_id"] == block and line["action"] == "requests_failed"
-    assert sorted(_affected(log).values()) == ["failed", "failed"]
+    assert sorted(affected_once(log).values()) == ["failed", "failed"]
 
 
 # ----------------------------------------------------- 4. a failed request's NaN, next owner
@@ -292,7 +264,7 @@ def _nan_then_next_owner(llm: Any) -> tuple[Any, list[int], Any]:
     manager.free = recording_free
     core = llm.llm_engine
     core.add_request("b", f"{PREFIX} " + words(250, 60), greedy(4))
-    b = _run(core)["b"]
+    b = run_to_end(core)["b"]
     manager.free = free
     b_pages = tables["b"]
     last = b_pages[-1]  # B's unfilled last page: 28 of its 32 slots written by B
@@ -310,7 +282,7 @@ def _nan_then_next_owner(llm: Any) -> tuple[Any, list[int], Any]:
 
     pool.get_new_blocks = next_owner
     core.add_request("c", C_PROMPT, greedy(4))
-    return b, b_pages, _run(core)["c"]
+    return b, b_pages, run_to_end(core)["c"]
 
 
 C_PROMPT = words(333, 10)
@@ -335,4 +307,4 @@ def test_a_failed_request_leaves_no_nan_for_the_next_owner(tiny_model: str, tmp_
     assert c.outputs[0].text == clean_c and c.outputs[0].finish_reason == "length"
     # Every page B wrote from the bad one was zeroed before anyone else got it.
     assert left == []
-    assert _affected(log) == {"b": "failed"}
+    assert affected_once(log) == {"b": "failed"}

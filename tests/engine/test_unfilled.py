@@ -19,7 +19,19 @@ from typing import Any
 
 import pytest
 
-from tests.engine.harness import core_scheduler, engine, events, greedy, guard_env, metric, words
+from tests.engine.harness import (
+    affected_once,
+    core_scheduler,
+    engine,
+    events,
+    greedy,
+    guard_env,
+    honest,
+    kv_layers,
+    metric,
+    run_to_end,
+    words,
+)
 from vllm_kvguard import KVCacheCorruptionError
 
 pytestmark = pytest.mark.engine
@@ -29,47 +41,18 @@ WRITTEN = 14  # slots of the unfilled page written by the prompt
 PROMPT = words(11, 3 * BLOCK + WRITTEN, step=13)
 
 
-def _layers(worker: Any) -> list[Any]:
-    seen: dict[int, Any] = {}
-    for t in worker.model_runner.kv_caches:
-        seen.setdefault(t.data_ptr(), t)
-    return list(seen.values())
-
-
 def corrupt_written_slots(worker: Any, block: int, slots: int) -> None:
     """Negate and scale the values of the first ``slots`` slots of one page in every layer (a
     stray write, a bit-flipping DIMM under a page still being written). The slots are found
     the way the guard finds them: by probing vLLM's own CPU write op."""
     from vllm_kvguard.connector.worker import _cpu_isa, cpu_slot_elements
 
-    for t in _layers(worker):
+    for t in kv_layers(worker):
         page_shape = tuple(t.shape[1:])
         isa = _cpu_isa("", t.dtype, BLOCK, page_shape[-1] // 2)
         elements = cpu_slot_elements(page_shape, t.dtype, BLOCK, isa)[:slots].reshape(-1)
         flat = t[block].view(-1)
         flat[elements] = flat[elements] * -3 + 1
-
-
-def _honest(out: Any, clean: str) -> bool:
-    c = out.outputs[0]
-    flagged = str(c.stop_reason or "").startswith(KVCacheCorruptionError.PREFIX)
-    return c.text == clean or c.finish_reason == "error" or flagged
-
-
-def _run(core: Any) -> dict[str, Any]:
-    finished: dict[str, Any] = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if out.finished:
-                finished[out.request_id.rsplit("-", 1)[0]] = out
-    return finished
-
-
-def _affected(log: Path) -> dict[str, str]:
-    lines = events(log, "kv_request_affected")
-    ids = [line["request_id"].rsplit("-", 1)[0] for line in lines]
-    assert len(ids) == len(set(ids)), f"reported more than once per request: {ids}"
-    return dict(zip(ids, [line["outcome"] for line in lines], strict=True))
 
 
 # ------------------------------------------------------------------ 1. an unfilled page
@@ -92,7 +75,7 @@ def _laundering(llm: Any) -> dict[str, Any]:
 
     guard = find_guard(scheduler.connector) if scheduler.connector is not None else None
     corrupted_after = guard.scheduler.ledger.step if guard is not None and guard.scheduler else None
-    out_v = _run(core)["v"]
+    out_v = run_to_end(core)["v"]
     generated = list(out_v.outputs[0].token_ids)
     prompt_w = {"prompt_token_ids": list(v.prompt_token_ids) + generated[: BLOCK - WRITTEN] + [7, 8, 9]}
     hits_before = metric(llm, "vllm:prefix_cache_hits")
@@ -153,8 +136,8 @@ def test_unfilled_page_corruption_is_caught_before_the_page_is_sealed_or_reused(
     # Its writer rewrites it as it recomputes: evicted, not quarantined.
     assert first["action"] in ("recomputed", "requests_failed", "logged")
     assert not events(log, "kv_block_quarantined") and not events(log, "kv_block_lifecycle_violation")
-    assert _honest(r["v"], r["clean_v"]) and _honest(r["w"], r["clean_w"])
-    outcomes = _affected(log)
+    assert honest(r["v"], r["clean_v"]) and honest(r["w"], r["clean_w"])
+    outcomes = affected_once(log)
     if verify == "paranoid":
         # Verified before every forward that reads it: caught before any token came from it,
         # recomputed, the clean text, and the guard says healed.
@@ -233,7 +216,7 @@ def _lost_write(llm: Any) -> dict[str, Any]:
         switch(True)
         core.step()  # the first prefill chunk: its writes into FIRST's old blocks are dropped
         switch(False)
-        out = _run(core)["second"]
+        out = run_to_end(core)["second"]
     finally:
         switch.restore()  # type: ignore[attr-defined]
     return {"clean": clean, "out": out, "dropped": switch.state["dropped"]}  # type: ignore[attr-defined]
@@ -261,8 +244,8 @@ def test_a_write_that_never_landed_is_reported_and_recomputed(
     assert all(line["request_ids"] and line["request_ids"][0].startswith("second") for line in found)
     assert all(line["slots"] for line in found)
     out, clean = r["out"].outputs[0], r["clean"]
-    assert _honest(r["out"], clean)
-    outcomes = _affected(log)
+    assert honest(r["out"], clean)
+    outcomes = affected_once(log)
     if mode == "quarantine":
         # Found after the chunk that emitted nothing: recomputed next step, the clean text.
         assert found[0]["action"] == "recomputed"
