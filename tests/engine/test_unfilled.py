@@ -118,9 +118,9 @@ def test_unfilled_page_corruption_is_caught_before_the_page_is_sealed_or_reused(
 ) -> None:
     log = tmp_path / "guard.jsonl"
     if verify == "scrub":
-        # Nothing verifies reads; the scrubber walks every page (sealed and being written) in a
-        # few steps.
-        extra = {"VLLM_KVGUARD_VERIFY": "reuse", "VLLM_KVGUARD_SCRUB_INTERVAL": "0.05s"}
+        # Nothing verifies reads; the scrubber earns credit for every page (sealed and being
+        # written) each step (an interval far below a step's length) and walks them all.
+        extra = {"VLLM_KVGUARD_VERIFY": "reuse", "VLLM_KVGUARD_SCRUB_INTERVAL": "0.01s"}
         extra["VLLM_KVGUARD_SCRUB_BUDGET"] = "4MiB"
     else:
         extra = {"VLLM_KVGUARD_VERIFY": verify, "VLLM_KVGUARD_SCRUB_INTERVAL": "0"}

@@ -266,7 +266,7 @@ class KVGuardScheduler:
         if plan.sealed_pages or plan.hit_pages or plan.given_pages:
             self._check_identity(plan, meta)
         if plan.written_blocks:
-            meta.lost_write_check = self._lost_write_candidates(plan)
+            meta.lost_write_check = self.ledger.lost_write_candidates(plan.written_blocks)
         if self.scrubber is not None:
             self._plan_scrub(meta, now)
         if self._invalidate_next:
@@ -303,13 +303,6 @@ class KVGuardScheduler:
                 hits[req_id] = len(blocks)
         if found:
             self._handle_identity(found, hits, meta)
-
-    def _lost_write_candidates(self, plan: StepPlan) -> list[int]:
-        """Blocks written this step whose previous owner computed something else at that page
-        position (both known): a row that reads back as that owner's is then a lost write."""
-        blocks = np.unique(np.asarray(plan.written_blocks, dtype=np.int64))
-        now, before = self.ledger.owner_key[blocks], self.ledger.previous_key[blocks]
-        return blocks[(now != before) & (now != 0) & (before != 0)].tolist()
 
     def _handle_identity(
         self, found: list[IdentityMismatch], hits: dict[str, int], meta: KVGuardMetadata

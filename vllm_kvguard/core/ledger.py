@@ -147,7 +147,6 @@ class BlockLedger:
         self.violations: list[LifecycleViolation] = []
         self._read_cursor = 0
         self._read_window: dict[str, int] = {}
-        self.read_partial: list[int] = []
         # Each live request's block table as vLLM handed it out (its first view, then the blocks
         # appended): where this step's rows go, without asking vLLM for the table every step.
         self._tables: dict[str, list[int]] = {}
@@ -241,8 +240,7 @@ class BlockLedger:
             self.mark_verified(plan.seal + plan.verify + plan.started, now)
         if read_budget != 0:
             running = [r for r in requests if not r.fresh and r.num_computed >= bs]
-            plan.read_verify = self._reads(running, read_budget, now)
-            plan.read_partial = self.read_partial
+            plan.read_verify, plan.read_partial = self._reads(running, read_budget, now)
         return plan
 
     def _written(self, req: ScheduledRequest, table: list[int], plan: StepPlan) -> None:
@@ -402,8 +400,11 @@ class BlockLedger:
             return 0.0
         return max(0.0, now - float(self.checked_at[sealed].min()))
 
-    def _reads(self, running: list[ScheduledRequest], budget: int | None, now: float) -> list[int]:
-        """Sealed pages this step's attention reads, all of them or a rotating sample.
+    def _reads(
+        self, running: list[ScheduledRequest], budget: int | None, now: float
+    ) -> tuple[list[int], list[int]]:
+        """Pages this step's attention reads, all of them or a rotating sample: (sealed pages,
+        unfilled pages whose written rows are verified).
 
         Sampling rotates over requests and, inside a request longer than the budget,
         over its pages, so a page read on every step is verified at least once every
@@ -411,7 +412,7 @@ class BlockLedger:
         """
         bs = self.block_size
         if not running:
-            return []
+            return [], []
         chosen: list[Sequence[int]] = []
         owners: list[str] = []
         count = len(running)
@@ -461,8 +462,7 @@ class BlockLedger:
         ids = ids[states == BlockState.SEALED]
         self.mark_verified(ids, now)
         self.mark_verified(partial, now)
-        self.read_partial = partial.tolist()
-        return ids.tolist()
+        return ids.tolist(), partial.tolist()
 
     def record_identity(self, req_id: str, blocks: np.ndarray, fingerprints: np.ndarray) -> None:
         """The fingerprints of pages ``req_id`` sealed (0 where not known)."""
@@ -487,12 +487,14 @@ class BlockLedger:
         """Who the blocks handed out this step were handed to (see ``owner_key``)."""
         self.owner_key[blocks] = keys
 
-    def same_computation(self, block_id: int) -> bool:
-        """Whether the block's previous owner wrote the same page position after the same
-        prefix as its current one (or either is unknown): rows equal to the previous owner's are
-        then no evidence of a lost write."""
-        now, before = int(self.owner_key[block_id]), int(self.previous_key[block_id])
-        return now == 0 or before == 0 or now == before
+    def lost_write_candidates(self, blocks: Sequence[int]) -> list[int]:
+        """Of the blocks written this step, those whose previous owner computed something else at
+        that page position (both owners known): a row that reads back as that owner's is then a
+        lost write. Where they computed the same (a resumed or recomputed request) or either is
+        unknown, equal rows are no evidence."""
+        ids = np.unique(np.asarray(blocks, dtype=np.int64))
+        now, before = self.owner_key[ids], self.previous_key[ids]
+        return ids[(now != before) & (now != 0) & (before != 0)].tolist()
 
     def forget_identity(self, block_ids: Sequence[int]) -> None:
         """A page whose content is no longer what it was sealed for (being recomputed)."""

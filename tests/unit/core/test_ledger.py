@@ -321,7 +321,9 @@ def test_unfilled_pages_are_verified_with_the_pages_read_and_owner_keys_roll() -
     # do not count).
     assert plan.started == [2] and ledger.last_good_step(2, plan.step + 1) == plan.step
     assert ledger.last_good_step(2, plan.step) == -1
-    # Unknown owner: never evidence of a lost write.
-    assert ledger.same_computation(2)
+    # Unknown owner: never evidence of a lost write; the same computation again neither.
+    assert ledger.lost_write_candidates([2, 2]) == []
+    ledger.record_owners(np.array([2]), np.array([6], dtype=np.uint64))
+    assert ledger.lost_write_candidates([2]) == []
     ledger.record_owners(np.array([2]), np.array([7], dtype=np.uint64))
-    assert not ledger.same_computation(2)
+    assert ledger.lost_write_candidates([2, 2]) == [2]
