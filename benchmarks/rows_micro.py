@@ -27,7 +27,7 @@ import torch
 
 from vllm_kvguard.connector.worker import _cpu_isa, cpu_slot_elements
 from vllm_kvguard.digest import KVPages
-from vllm_kvguard.digest.rows import PackedRows, RowDigests, StridedRows, row_digests_torch, strided_parts
+from vllm_kvguard.digest.rows import HostRows, PackedRows, RowDigests, row_digests_torch
 
 
 def _time(fn: Callable[[], object], n: int) -> float:
@@ -53,14 +53,10 @@ def main() -> None:
     pages = KVPages(layers)
     isa = _cpu_isa("", torch.bfloat16, bs, a.head_size)
     elements = cpu_slot_elements(page_shape, torch.bfloat16, bs, isa)
-    parts = strided_parts(elements, 2)
-    gathers = (
-        # Every layer in one view, as the worker does with vLLM's one backing buffer.
-        [StridedRows(pages.tensors[0], parts, (a.layers, backing.stride(0)))]
-        if parts is not None
-        else [PackedRows(t, elements) for t in pages.tensors]
-    )
-    rows = RowDigests(pages.tensors, gathers, a.blocks, bs)
+    # As the worker builds them: numpy gathers for hashing, torch access for drills.
+    gathers = [PackedRows(t, elements) for t in pages.tensors]
+    torch_rows = RowDigests(pages.tensors, gathers, a.blocks, bs)
+    rows = RowDigests(pages.tensors, gathers, a.blocks, bs, HostRows(pages.tensors, elements))
     rng = np.random.default_rng(0)
     results: dict[str, list[float]] = {}
 
@@ -75,8 +71,10 @@ def main() -> None:
                 f"record {running} rows (one decode step)",
                 _time(lambda b=blocks, s=slots: rows.record(b, s), 20),
             )
-            words = rows.hash(blocks, slots)  # warm
-            del words
+            add(
+                f"record {running} rows, torch gather (before)",
+                _time(lambda b=blocks, s=slots: torch_rows.record(b, s), 20),
+            )
         page = [int(rng.integers(a.blocks))]
         full_b = np.full(bs, page[0])
         all_slots = np.arange(bs)
@@ -98,9 +96,8 @@ def main() -> None:
             ),
         )
     med = {k: statistics.median(v) for k, v in results.items()}
-    kind = "strided" if parts is not None else "packed"
     print(f"geometry: {a.layers} layers x {a.kv_heads} KV heads x head {a.head_size}, block {bs}, bfloat16,")
-    print(f"  CPU layout {isa} ({kind} rows); row {rows.row_bytes} B, page {pages.bytes_per_block} B")
+    print(f"  CPU layout {isa}; row {rows.row_bytes} B, page {pages.bytes_per_block} B")
     for key, value in med.items():
         print(f"  {key:52s} {value * 1e6:10.1f} us")
     seal = med["seal one page (XXH3, every layer)"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from vllm_kvguard.core.counters import GuardCounters
@@ -38,9 +39,9 @@ class KVGuardMetadata(KVConnectorMetadata):
     # Pages to zero before the forward: written by requests that were failed after reading
     # a bad page, now free (their NaN/Inf must not reach the next owner's attention).
     zero: list[int] = field(default_factory=list)
-    # Blocks written this step whose previous owner wrote a different computation at that page
-    # position: a row reading back as that owner's is a lost write (digest/rows.py).
-    lost_write_check: list[int] = field(default_factory=list)
+    # Per row of plan.written_blocks: its block's previous owner wrote a different computation at
+    # that page position, so the row reading back as that owner's is a lost write (digest/rows.py).
+    lost_write_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     @property
     def step(self) -> int:

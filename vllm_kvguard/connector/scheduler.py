@@ -44,6 +44,7 @@ from vllm_kvguard.core.faults import FaultSite, FaultTracker, Injection, parse_f
 from vllm_kvguard.core.ledger import (
     BlockLedger,
     BlockState,
+    Decodes,
     IdentityMismatch,
     LifecycleViolation,
     ScheduledRequest,
@@ -82,43 +83,92 @@ def _first_group(manager: Any, req_id: str) -> list[int]:
     return manager.get_block_ids(req_id)[0]
 
 
+def _new_view(new: Any, ntok: dict[str, int], spec: dict[str, Any], bs: int) -> ScheduledRequest:
+    table = new.block_ids[0]
+    return ScheduledRequest(
+        new.req_id,
+        new.num_computed_tokens,
+        ntok[new.req_id] - len(spec.get(new.req_id, ())),
+        True,
+        table[new.num_computed_tokens // bs :],
+        functools.partial(_same, table),
+    )
+
+
+def _cached_view(
+    cached: Any, i: int, resumed_ids: Any, ntok: dict[str, int], spec: dict[str, Any], bs: int, manager: Any
+) -> ScheduledRequest:
+    req_id = cached.req_ids[i]
+    new_ids = cached.new_block_ids[i]
+    added = new_ids[0] if new_ids else []
+    nc = cached.num_computed_tokens[i]
+    # vLLM 0.34 sends resumed requests in full with the new ones (no resumed_req_ids).
+    resumed = req_id in resumed_ids
+    return ScheduledRequest(
+        req_id,
+        nc,
+        ntok[req_id] - len(spec.get(req_id, ())),
+        resumed,
+        added[nc // bs :] if resumed else added,
+        functools.partial(_first_group, manager, req_id),
+    )
+
+
 def scheduled_requests(so: SchedulerOutput, block_size: int, manager: Any) -> list[ScheduledRequest]:
     """vLLM's scheduler output as the ledger's per-request views (across vLLM versions)."""
-    bs = block_size
     spec = so.scheduled_spec_decode_tokens
     ntok = so.num_scheduled_tokens
-    out = []
-    for new in so.scheduled_new_reqs:
-        table = new.block_ids[0]
-        out.append(
-            ScheduledRequest(
-                new.req_id,
-                new.num_computed_tokens,
-                ntok[new.req_id] - len(spec.get(new.req_id, ())),
-                True,
-                table[new.num_computed_tokens // bs :],
-                functools.partial(_same, table),
-            )
-        )
     cached = so.scheduled_cached_reqs
     resumed_ids = getattr(cached, "resumed_req_ids", None) or ()
-    for i, req_id in enumerate(cached.req_ids):
-        new_ids = cached.new_block_ids[i]
-        added = new_ids[0] if new_ids else []
-        nc = cached.num_computed_tokens[i]
-        # vLLM 0.34 sends resumed requests in full with the new ones (no resumed_req_ids).
-        resumed = req_id in resumed_ids
-        out.append(
-            ScheduledRequest(
-                req_id,
-                nc,
-                ntok[req_id] - len(spec.get(req_id, ())),
-                resumed,
-                added[nc // bs :] if resumed else added,
-                functools.partial(_first_group, manager, req_id),
-            )
-        )
-    return out
+    views = [_new_view(new, ntok, spec, block_size) for new in so.scheduled_new_reqs]
+    return views + [
+        _cached_view(cached, i, resumed_ids, ntok, spec, block_size, manager)
+        for i in range(len(cached.req_ids))
+    ]
+
+
+def step_views(
+    so: SchedulerOutput, block_size: int, manager: Any
+) -> tuple[list[ScheduledRequest], Decodes | None]:
+    """vLLM's scheduler output as the ledger sees it: a view per request that changed (new,
+    resumed, given blocks, more than one token) and, as arrays, the running requests that only
+    decode one token into a page they hold (:class:`Decodes`). The same plan as
+    :func:`scheduled_requests` (tests/unit/connector/test_scheduler.py); a quiet decode step
+    costs a few C-level passes over vLLM's lists, no Python per request."""
+    spec = so.scheduled_spec_decode_tokens
+    ntok = so.num_scheduled_tokens
+    cached = so.scheduled_cached_reqs
+    ids = cached.req_ids
+    n = len(ids)
+    views = [_new_view(new, ntok, spec, block_size) for new in so.scheduled_new_reqs]
+    if not n:
+        return views, None
+    resumed_ids = getattr(cached, "resumed_req_ids", None) or ()
+    new_blocks = cached.new_block_ids
+    total = getattr(so, "total_num_scheduled_tokens", None)
+    single = not spec and total is not None and total - sum(v.num_new for v in views) == n
+    if single and not resumed_ids and new_blocks.count(None) == n:
+        changed: list[int] = []
+    else:
+        changed = [i for i, b in enumerate(new_blocks) if b is not None]
+        if resumed_ids:
+            changed += [i for i, r in enumerate(ids) if r in resumed_ids]
+        if not single:
+            # Every scheduled request has a token; a step with more than one per request for
+            # some (chunked prefill, drafts) sends those through the views.
+            changed += [i for i, r in enumerate(ids) if ntok[r] - len(spec.get(r, ())) != 1]
+        changed = sorted(set(changed))
+    nc = np.fromiter(cached.num_computed_tokens, dtype=np.int64, count=n)
+    at = None
+    if changed:
+        views += [_cached_view(cached, i, resumed_ids, ntok, spec, block_size, manager) for i in changed]
+        keep = np.ones(n, dtype=bool)
+        keep[changed] = False
+        at = np.flatnonzero(keep)
+        nc = nc[at]
+    if not len(nc):
+        return views, None
+    return views, Decodes(ids, at, nc, functools.partial(_first_group, manager))
 
 
 def request_inputs(request: Request) -> RequestInputs:
@@ -217,10 +267,10 @@ class KVGuardScheduler:
         self.pending_failures: dict[str, str] = {}
         self.counters = GuardCounters()
         self.worker_errors_seen = 0
-        # The last steps' request views, kept (not copied) so that a detection,
-        # which comes back with that step's or the next step's output, can name
+        # The last steps' request views and decoding request ids, kept (not copied) so that a
+        # detection, which comes back with that step's or the next step's output, can name
         # its readers and count their tokens; nothing is derived from them per step.
-        self._recent: dict[int, list[ScheduledRequest]] = {}
+        self._recent: dict[int, tuple[list[ScheduledRequest], list[str]]] = {}
         self.exporter = (
             StandaloneExporter(config.metrics_port, model_name, engine=log.engine)
             if config.metrics_port
@@ -256,17 +306,17 @@ class KVGuardScheduler:
         return KVGuardMetadata(StepPlan(self.ledger.step))
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVGuardMetadata:
-        requests = scheduled_requests(so, self.block_size, self.kv_cache_manager)
+        requests, decodes = step_views(so, self.block_size, self.kv_cache_manager)
         now = time.monotonic()
-        plan = self.ledger.plan(requests, self.read_budget, now, so.preempted_req_ids or ())
+        plan = self.ledger.plan(requests, self.read_budget, now, so.preempted_req_ids or (), decodes)
         meta = KVGuardMetadata(plan, read_trigger=str(self.config.verify) if plan.read_verify else "")
-        self._recent[plan.step] = requests
+        self._recent[plan.step] = (requests, decodes.req_ids if decodes is not None else [])
         self._recent.pop(plan.step - 3, None)
         self.counters.add("sealed", len(plan.seal))
         if plan.sealed_pages or plan.hit_pages or plan.given_pages:
             self._check_identity(plan, meta)
-        if plan.written_blocks:
-            meta.lost_write_check = self.ledger.lost_write_candidates(plan.written_blocks)
+        if len(plan.written_blocks):
+            meta.lost_write_rows = self.ledger.lost_write_rows(plan.written_blocks)
         if self.scrubber is not None:
             self._plan_scrub(meta, now)
         if self._invalidate_next:
@@ -412,15 +462,16 @@ class KVGuardScheduler:
         meta.inject = self.faults.inject(plan.step, candidates, self._num_layers)
         if plan.seal and not meta.inject:
             meta.inject = self.faults.inject(plan.step, plan.seal, self._num_layers, FaultSite.WRITE)
-        if plan.written_blocks and not meta.inject:
+        if len(plan.written_blocks) and not meta.inject:
             # Pages this step writes that stay unfilled after it.
             sealed = set(plan.seal)
-            filling = sorted({b for b in plan.written_blocks if b not in sealed})
+            filling = sorted({b for b in plan.written_blocks.tolist() if b not in sealed})
             meta.inject = self.faults.inject(plan.step, filling, self._num_layers, FaultSite.FILLING)
-        if meta.lost_write_check and not meta.inject:
+        if meta.lost_write_rows.any() and not meta.inject:
             # A page's first writes of its new owner: what they replace is the previous owner's.
             given = set(plan.given)
-            first = [b for b in meta.lost_write_check if b in given]
+            checked = np.unique(plan.written_blocks[meta.lost_write_rows]).tolist()
+            first = [b for b in checked if b in given]
             meta.inject = self.faults.inject(plan.step, first, self._num_layers, FaultSite.FORWARD)
         if candidates and not meta.inject:
             known = [b for b in candidates if self.ledger.fingerprint[b]]
@@ -564,10 +615,11 @@ class KVGuardScheduler:
             }
         # Without the snapshot (the update_from_output patch is missing): the step's views.
         out: dict[str, Holder | None] = {}
-        for req in self._recent.get(step, ()):
-            table = self._block_table(req.req_id)
+        views, decoding = self._recent.get(step, ([], []))
+        for req_id in [r.req_id for r in views] + decoding:
+            table = self._block_table(req_id)
             if table is not None and block in table:
-                out[req.req_id] = None
+                out[req_id] = None
         return out
 
     def _handle_corruption(self, block: int, detections: list[Detection]) -> None:
@@ -805,8 +857,8 @@ class KVGuardScheduler:
         hits = next(
             (
                 r.num_computed
-                for step in reversed(self._recent.values())
-                for r in step
+                for views, _ in reversed(self._recent.values())
+                for r in views
                 if r.req_id == req_id and r.fresh and r.num_computed >= self.block_size
             ),
             0,

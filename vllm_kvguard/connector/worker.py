@@ -13,7 +13,6 @@ forward: seal pages whose last slot was written, drill faults),
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 from dataclasses import replace
@@ -29,7 +28,7 @@ from vllm_kvguard.core.faults import FaultKind, FaultSite, Injection
 from vllm_kvguard.core.shapes import Shape, classify
 from vllm_kvguard.digest import DeviceDigestTable, DigestTable, KVPages, PendingCheck
 from vllm_kvguard.digest.kernel import kernel_available
-from vllm_kvguard.digest.rows import AxisRows, PackedRows, RowAccess, RowDigests, StridedRows, strided_parts
+from vllm_kvguard.digest.rows import AxisRows, HostRows, PackedRows, RowAccess, RowDigests
 from vllm_kvguard.digest.syndrome import locate, page_words, syndromes
 from vllm_kvguard.logs import GuardLog
 
@@ -60,25 +59,6 @@ def _cpu_isa(name: str, dtype: torch.dtype, block_size: int, head_size: int) -> 
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return str(_get_attn_isa(dtype, block_size, head_size))
-
-
-def _layer_stride(tensors: list[torch.Tensor]) -> int | None:
-    """The element stride between consecutive layers when every layer is a same-shaped view into
-    one buffer at evenly spaced offsets (vLLM's CPU worker allocates them so); else None."""
-    if len(tensors) < 2:
-        return None
-    first = tensors[0]
-    same = all(
-        t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        and t.shape == first.shape
-        and t.stride() == first.stride()
-        and t.dtype == first.dtype
-        for t in tensors
-    )
-    if not same:
-        return None
-    gaps = {int(b.storage_offset()) - int(a.storage_offset()) for a, b in itertools.pairwise(tensors)}
-    return gaps.pop() if len(gaps) == 1 and next(iter(gaps), 0) > 0 else None
 
 
 def cpu_slot_elements(
@@ -220,31 +200,22 @@ class KVGuardWorker:
                 name = self.pages.names[0]
                 isa = _cpu_isa(name, first.dtype, bs, page_shape[-1] // 2)
                 elements = cpu_slot_elements(page_shape, first.dtype, bs, isa)
-                parts = strided_parts(elements, 2)  # K and V of each head
                 tensors = self.pages.tensors
-                layers = _layer_stride(tensors)
-                gathers: list[RowAccess]
-                if parts is not None and layers is not None:
-                    gathers = [StridedRows(tensors[0], parts, (len(tensors), layers))]
-                elif parts is not None:
-                    gathers = [StridedRows(t, parts) for t in tensors]
-                else:
-                    gathers = [PackedRows(t, elements) for t in tensors]
-                kind = (
-                    "packed"
-                    if parts is None
-                    else "strided"
-                    if layers is None
-                    else "strided, layers in one view"
-                )
-                how = f"on (CPU layout {isa}, probed, {kind})"
+                gathers: list[RowAccess] = [PackedRows(t, elements) for t in tensors]
+                try:
+                    host: HostRows | None = HostRows(tensors, elements)
+                    how = f"on (CPU layout {isa}, probed, numpy gather)"
+                except ValueError:  # pages numpy cannot view: torch's indexing reads them
+                    host = None
+                    how = f"on (CPU layout {isa}, probed, torch gather)"
             else:
                 axis = slot_axis(page_shape, bs)
                 if axis is None:
                     raise ValueError(f"page shape {page_shape} does not show which dimension indexes slots")
                 gathers = [AxisRows(t, axis) for t in self.pages.tensors]
+                host = None
                 how = f"on (slot axis {axis})"
-            self.rows = RowDigests(self.pages.tensors, gathers, self.pages.num_blocks, bs)
+            self.rows = RowDigests(self.pages.tensors, gathers, self.pages.num_blocks, bs, host)
         except Exception as exc:  # the guard runs on without them, and says why
             self.rows = None
             return f"off: {exc}"
@@ -270,7 +241,7 @@ class KVGuardWorker:
                 self._tainted_hits(meta)
             if meta.inject:
                 self._snapshot_lost(meta)
-            if plan.written_blocks:
+            if len(plan.written_blocks):
                 self.rows.rows[plan.written_blocks, plan.written_slots] = 0
         if meta.zero:
             assert self.pages is not None
@@ -703,14 +674,14 @@ class KVGuardWorker:
             if len(blocks):
                 changed = self._row_findings(meta, blocks, slots, self.rows.check(blocks, slots), "seal")
                 self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
-        if plan.written_blocks:
+        if len(plan.written_blocks):
             blocks = np.asarray(plan.written_blocks, dtype=np.int64)
             slots = np.asarray(plan.written_slots, dtype=np.int64)
             same = self.rows.record(blocks, slots)
             self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
-            if same.any() and meta.lost_write_check:
-                checked = np.isin(blocks, np.asarray(meta.lost_write_check, dtype=np.int64))
-                self._lost_writes(meta, blocks[same & checked], slots[same & checked])
+            if same.any() and meta.lost_write_rows.any():
+                checked = same & meta.lost_write_rows
+                self._lost_writes(meta, blocks[checked], slots[checked])
         self.counters.observe("verify_seconds", time.perf_counter() - start)
         return [b for b in seal if b not in changed] if changed else seal
 
@@ -750,7 +721,7 @@ class KVGuardWorker:
                 continue
             slots = [
                 s_
-                for b, s_ in zip(plan.written_blocks, plan.written_slots, strict=True)
+                for b, s_ in zip(plan.written_blocks.tolist(), plan.written_slots.tolist(), strict=True)
                 if b == injection.block_id
             ]
             if slots:

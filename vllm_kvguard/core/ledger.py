@@ -31,6 +31,11 @@ class BlockState(IntEnum):
     QUARANTINED = 3
 
 
+# The states as plain ints for the per-step code: an IntEnum member looked up on its class goes
+# through EnumType.__getattr__ on Python 3.11 (about a microsecond each, several per request).
+FREE, FILLING, SEALED, QUARANTINED = (int(s) for s in BlockState)
+
+
 class ScheduledRequest(NamedTuple):
     """One request in one scheduler step, as the ledger needs to see it.
 
@@ -52,6 +57,37 @@ class ScheduledRequest(NamedTuple):
     block_ids: Callable[[], Sequence[int]]
 
 
+@dataclass(frozen=True)
+class Decodes:
+    """The quiet bulk of a decode step, as arrays: running requests that each write one token
+    this step into a page they already hold (no new blocks, not resumed). The ledger places
+    their rows from its own mirror of each request's block table, with numpy, so that a
+    request that only decodes costs no Python per step (docs/performance.md). ``block_ids``
+    returns a request's whole table where the mirror lacks it (first sight)."""
+
+    req_ids: list[str]  # vLLM's list of running requests, as it came (kept by reference)
+    at: np.ndarray | None  # the positions in it that decode (None: all of them)
+    num_computed: np.ndarray  # int64, per decoding request: tokens with KV before this step
+    block_ids: Callable[[str], Sequence[int]]
+
+    def __len__(self) -> int:
+        return len(self.num_computed)
+
+
+def _ids(values: Sequence[int] | np.ndarray = ()) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
+
+
+class _Decoded(NamedTuple):
+    """The decodes the ledger placed this step: ``req_ids[at[i]]`` has computed ``nc[i]``
+    tokens and mirror row ``rows[i]``."""
+
+    req_ids: list[str]
+    at: np.ndarray
+    nc: np.ndarray
+    rows: np.ndarray
+
+
 @dataclass
 class StepPlan:
     step: int
@@ -68,12 +104,13 @@ class StepPlan:
     # Row digests (digest/rows.py): blocks handed to a new owner this step (their rows become
     # the previous generation's), the (block, slot) rows this step's forward writes, and the
     # unfilled pages of running requests to verify (their rows written in earlier steps).
+    # (Arrays: one entry per running request per step, never a Python loop over them.)
     given: list[int] = field(default_factory=list)
-    written_blocks: list[int] = field(default_factory=list)
-    written_slots: list[int] = field(default_factory=list)
+    written_blocks: np.ndarray = field(default_factory=_ids)
+    written_slots: np.ndarray = field(default_factory=_ids)
     read_partial: list[int] = field(default_factory=list)
     # Pages whose first slot this step writes: every row they hold is known good after it.
-    started: list[int] = field(default_factory=list)
+    started: np.ndarray = field(default_factory=_ids)
     # Per request with pages handed out this step: (request, positions in its table, blocks).
     given_pages: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)
 
@@ -149,7 +186,15 @@ class BlockLedger:
         self._read_window: dict[str, int] = {}
         # Each live request's block table as vLLM handed it out (its first view, then the blocks
         # appended): where this step's rows go, without asking vLLM for the table every step.
-        self._tables: dict[str, list[int]] = {}
+        # One row of a numpy array per live request (rows and columns grow on demand, rows are
+        # reused), so that a decode step places every request's row in a few numpy calls.
+        self._row_of: dict[str, int] = {}
+        self._free_rows: list[int] = []
+        self._table = np.full((0, 0), -1, dtype=np.int32)
+        self._table_len = np.zeros(0, dtype=np.int64)
+        # The last decode batch's request list and rows: vLLM sends the same requests in the
+        # same order step after step, and a list compare is far cheaper than a lookup each.
+        self._last_decodes: tuple[list[str], np.ndarray] | None = None
         # Who each block was handed to (a key of the writer and page position, set by the
         # connector; 0: unknown), and the same for the block's previous owner: a row that
         # reads back as the previous owner's is a lost write only if that owner's row was
@@ -170,15 +215,73 @@ class BlockLedger:
             "requests": len(self._numbers),
             "blocks_given": sum(len(a) for g in self._given.values() for a in g),
             "read_windows": len(self._read_window),
-            "tables": len(self._tables),
+            "tables": len(self._row_of),
         }
 
     def nbytes(self) -> int:
-        """Bytes of the per-block arrays (fixed at start)."""
+        """Bytes of the per-block arrays (fixed at start) and of the block-table mirror (one
+        row per live request, as wide as the longest table seen)."""
         return sum(v.nbytes for v in vars(self).values() if isinstance(v, np.ndarray))
 
     def quarantined(self) -> int:
-        return int(np.count_nonzero(self.state == BlockState.QUARANTINED))
+        return int(np.count_nonzero(self.state == QUARANTINED))
+
+    # ------------------------------------------------------------ block-table mirror
+
+    def _row(self, req_id: str) -> int:
+        """The mirror row of ``req_id`` (a new one on first sight)."""
+        row = self._row_of.get(req_id)
+        if row is None:
+            if not self._free_rows:
+                grown = max(16, 2 * len(self._table_len))
+                table = np.full((grown, self._table.shape[1]), -1, dtype=np.int32)
+                table[: len(self._table)] = self._table
+                self._table = table
+                self._table_len = np.concatenate(
+                    [self._table_len, np.zeros(grown - len(self._table_len), np.int64)]
+                )
+                self._free_rows = list(range(grown - 1, len(self._row_of) - 1, -1))
+            row = self._row_of[req_id] = self._free_rows.pop()
+            self._last_decodes = None
+        return row
+
+    def _set_table(self, req_id: str, blocks: Sequence[int] | np.ndarray, keep: int = 0) -> int:
+        """Mirror ``req_id``'s table as ``blocks`` appended after its first ``keep`` entries."""
+        row = self._row(req_id)
+        end = keep + len(blocks)
+        if end > self._table.shape[1]:
+            wider = np.full((len(self._table), max(end, 2 * self._table.shape[1], 16)), -1, dtype=np.int32)
+            wider[:, : self._table.shape[1]] = self._table
+            self._table = wider
+        self._table[row, keep:end] = blocks
+        self._table_len[row] = end
+        return row
+
+    def table(self, req_id: str) -> np.ndarray:
+        """The mirror of ``req_id``'s block table (empty if unknown)."""
+        row = self._row_of.get(req_id)
+        return self._table[row, : self._table_len[row]] if row is not None else _ids()
+
+    def _decode_rows(self, decodes: Decodes) -> tuple[np.ndarray, np.ndarray]:
+        """(positions in ``decodes.req_ids``, mirror rows) of the decoding requests."""
+        ids = decodes.req_ids
+        last = self._last_decodes
+        if last is not None and last[0] == ids:
+            every = last[1]
+        else:
+            every = np.fromiter(
+                map(self._row_of.get, ids, itertools.repeat(-1)), dtype=np.int64, count=len(ids)
+            )
+            self._last_decodes = (ids, every)
+        at = np.arange(len(ids)) if decodes.at is None else decodes.at
+        rows = every[at]
+        if (rows < 0).any():  # first sight of a running request: its table from vLLM
+            for i in np.flatnonzero(rows < 0).tolist():
+                rows[i] = self._set_table(ids[at[i]], decodes.block_ids(ids[at[i]]))
+            self._last_decodes = None
+        return at, rows
+
+    # ------------------------------------------------------------------ the step's plan
 
     def plan(
         self,
@@ -186,82 +289,129 @@ class BlockLedger:
         read_budget: int | None = 0,
         now: float = 0.0,
         released: Iterable[str] = (),
+        decodes: Decodes | None = None,
     ) -> StepPlan:
         """Plan one step. ``read_budget``: how many pages that running requests read this
         step to verify as well (0: none; None: all of them, the paranoid policy).
         ``released``: requests that gave their blocks back since the last step
-        (preempted), before this step's allocations."""
+        (preempted), before this step's allocations. ``decodes``: running requests that only
+        write one token into a page they hold, as arrays (the rest come as ``requests``)."""
         requests = list(requests)
         for req_id in released:
             self.release_request(req_id)
         self.step += 1
         plan = StepPlan(self.step)
         bs = self.block_size
-        state = self.state
+        rows_b: list[int] = []
+        rows_s: list[int] = []
+        started: list[int] = []
         # Allocations first: a request may hit, in this same step, a block that a request
         # listed after it is given (vLLM caches a block as soon as its tokens are scheduled).
-        tables = self._tables
         for req in requests:
             new = req.new_block_ids
-            if req.fresh or req.req_id not in tables:
-                tables[req.req_id] = list(req.block_ids())
+            if req.fresh or req.req_id not in self._row_of:
+                self._set_table(req.req_id, req.block_ids())
             elif len(new):
-                tables[req.req_id].extend(new)
+                self._set_table(req.req_id, new, int(self._table_len[self._row_of[req.req_id]]))
             if len(new):
-                blocks = np.asarray(new, dtype=np.int64)
+                blocks = _ids(new)
                 self._allocate(req.req_id, blocks, plan)
                 plan.given.extend(blocks.tolist())
-                start = len(tables[req.req_id]) - len(blocks)
+                start = int(self._table_len[self._row_of[req.req_id]]) - len(blocks)
                 plan.given_pages.append((req.req_id, np.arange(start, start + len(blocks)), blocks))
             if req.num_new:
-                self._written(req, tables[req.req_id], plan)
+                self._written(req, rows_b, rows_s, started)
+        d_blocks = d_slots = d_index = col = _ids()
+        decoded = None
+        if decodes is not None and len(decodes):
+            d_index, d_rows = self._decode_rows(decodes)
+            nc = decodes.num_computed
+            col = nc // bs
+            short = np.flatnonzero(col >= self._table_len[d_rows])
+            for i in short.tolist():  # a table the views did not show whole
+                req_id = decodes.req_ids[d_index[i]]
+                self._set_table(req_id, decodes.block_ids(req_id))
+            if len(short):
+                known = col < self._table_len[d_rows]
+                d_index, d_rows, col, nc = d_index[known], d_rows[known], col[known], nc[known]
+            d_blocks = self._table[d_rows, col].astype(np.int64)
+            d_slots = nc % bs
+            decoded = _Decoded(decodes.req_ids, d_index, nc, d_rows)
         for req in requests:
             hits = req.num_computed // bs if req.fresh else 0
             first_sealed = req.num_computed // bs
             last_sealed = (req.num_computed + req.num_new) // bs
             if not hits and last_sealed <= first_sealed:
                 continue
-            table = tables[req.req_id]
+            table = self.table(req.req_id)
             if hits:
-                hit = np.asarray(table[:hits], dtype=np.int64)
+                hit = table[:hits].astype(np.int64)
                 self._hit(req.req_id, hit, plan)
                 plan.hit_pages.append((req.req_id, hit))
             if last_sealed > first_sealed:
-                blocks = np.asarray(table[first_sealed:last_sealed], dtype=np.int64)
-                keep = state[blocks] != BlockState.QUARANTINED
-                blocks = blocks[keep]
-                state[blocks] = BlockState.SEALED
-                self.generation[blocks] += 1
-                self.writer_of[blocks] = -1
-                plan.seal.extend(blocks.tolist())
-                positions = np.arange(first_sealed, last_sealed, dtype=np.int64)[keep]
-                plan.sealed_pages.append((req.req_id, positions, blocks))
-        if plan.seal or plan.verify or plan.started:
-            self.mark_verified(plan.seal + plan.verify + plan.started, now)
+                self._seal(req.req_id, table[first_sealed:last_sealed].astype(np.int64), first_sealed, plan)
+        if len(d_blocks):
+            # Pages whose last slot a decode writes: sealed after the forward (one entry per
+            # request that fills one: what changed).
+            assert decodes is not None
+            fill = np.flatnonzero(d_slots == bs - 1)
+            if len(fill):
+                fill = fill[self.state[d_blocks[fill]] != QUARANTINED]
+                self._sealed(d_blocks[fill], plan)
+                for i in fill.tolist():
+                    plan.sealed_pages.append(
+                        (decodes.req_ids[d_index[i]], col[i : i + 1], d_blocks[i : i + 1])
+                    )
+        plan.written_blocks = np.concatenate([_ids(rows_b), d_blocks]) if len(d_blocks) else _ids(rows_b)
+        plan.written_slots = np.concatenate([_ids(rows_s), d_slots]) if len(d_blocks) else _ids(rows_s)
+        plan.started = (
+            np.concatenate([_ids(started), d_blocks[d_slots == 0]]) if len(d_blocks) else _ids(started)
+        )
+        if plan.seal or plan.verify or len(plan.started):
+            self.mark_verified(np.concatenate([_ids(plan.seal), _ids(plan.verify), plan.started]), now)
         if read_budget != 0:
-            running = [r for r in requests if not r.fresh and r.num_computed >= bs]
-            plan.read_verify, plan.read_partial = self._reads(running, read_budget, now)
+            running = [(r.req_id, r.num_computed) for r in requests if not r.fresh and r.num_computed >= bs]
+            plan.read_verify, plan.read_partial = self._reads(running, decoded, read_budget, now)
         return plan
 
-    def _written(self, req: ScheduledRequest, table: list[int], plan: StepPlan) -> None:
+    def _seal(self, req_id: str, blocks: np.ndarray, first: int, plan: StepPlan) -> None:
+        """``req_id``'s pages ``first``.. (``blocks``) are full after this step's forward."""
+        keep = self.state[blocks] != QUARANTINED
+        blocks = blocks[keep]
+        self._sealed(blocks, plan)
+        positions = np.arange(first, first + len(keep), dtype=np.int64)[keep]
+        plan.sealed_pages.append((req_id, positions, blocks))
+
+    def _sealed(self, blocks: np.ndarray, plan: StepPlan) -> None:
+        self.state[blocks] = SEALED
+        self.generation[blocks] += 1
+        self.writer_of[blocks] = -1
+        plan.seal.extend(blocks.tolist())
+
+    def _written(
+        self, req: ScheduledRequest, blocks: list[int], slots: list[int], started: list[int]
+    ) -> None:
         """The (block, slot) rows the step's forward writes for ``req``."""
         bs = self.block_size
         first, end = req.num_computed, req.num_computed + req.num_new
+        table = self.table(req.req_id)
         if (end - 1) // bs >= len(table):
-            table[:] = list(req.block_ids())  # a table the views did not show whole
+            self._set_table(req.req_id, req.block_ids())  # a table the views did not show whole
+            table = self.table(req.req_id)
             if (end - 1) // bs >= len(table):
                 return
         if req.num_new == 1:
-            plan.written_blocks.append(table[first // bs])
-            plan.written_slots.append(first % bs)
+            block = int(table[first // bs])
+            blocks.append(block)
+            slots.append(first % bs)
             if first % bs == 0:
-                plan.started.append(table[first // bs])
+                started.append(block)
             return
         positions = np.arange(first, end)
-        blocks = np.asarray(table, dtype=np.int64)[positions // bs]
-        plan.written_blocks.extend(blocks.tolist())
-        plan.written_slots.extend((positions % bs).tolist())
-        plan.started.extend(blocks[positions % bs == 0].tolist())
+        written = table[positions // bs].astype(np.int64)
+        blocks.extend(written.tolist())
+        slots.extend((positions % bs).tolist())
+        started.extend(written[positions % bs == 0].tolist())
 
     def mark_verified(self, block_ids: Sequence[int] | np.ndarray, now: float) -> None:
         """Blocks sealed or verified in the current step (one numpy pass, no Python per block)."""
@@ -293,7 +443,7 @@ class BlockLedger:
 
     def _own(self, blocks: np.ndarray, req_id: str) -> None:
         number = self._number(req_id)
-        self.state[blocks] = BlockState.FILLING
+        self.state[blocks] = FILLING
         self.fingerprint[blocks] = 0
         # Nothing of the new owner's is known good yet (a previous life's checks do not count).
         self.verified_step[blocks] = -1
@@ -317,12 +467,12 @@ class BlockLedger:
 
     def _allocate(self, req_id: str, blocks: np.ndarray, plan: StepPlan) -> None:
         states = self.state[blocks]
-        quarantined = states == BlockState.QUARANTINED
+        quarantined = states == QUARANTINED
         if quarantined.any():
             for block in blocks[quarantined].tolist():
                 self.violations.append(LifecycleViolation(block, req_id, Violation.QUARANTINED_ALLOCATED))
             blocks, states = blocks[~quarantined], states[~quarantined]
-        sealed = states == BlockState.SEALED
+        sealed = states == SEALED
         if sealed.any():
             plan.forget.extend(blocks[sealed].tolist())
             # A full page leaves the prefix cache for a new writer only when nobody holds it:
@@ -334,7 +484,7 @@ class BlockLedger:
                     self.violations.append(
                         LifecycleViolation(block, req_id, Violation.DOUBLE_ALLOCATION, holder)
                     )
-        filling = blocks[states == BlockState.FILLING]
+        filling = blocks[states == FILLING]
         if len(filling):
             holders = self.writer_of[filling]
             me = self._numbers.get(req_id, -2)
@@ -347,24 +497,24 @@ class BlockLedger:
 
     def _hit(self, req_id: str, blocks: np.ndarray, plan: StepPlan) -> None:
         states = self.state[blocks]
-        for block in blocks[states == BlockState.SEALED].tolist():
+        for block in blocks[states == SEALED].tolist():
             readers = plan.readers.get(block)
             if readers is None:
                 plan.readers[block] = [req_id]
                 plan.verify.append(block)
             else:
                 readers.append(req_id)
-        quarantined = states == BlockState.QUARANTINED
+        quarantined = states == QUARANTINED
         if quarantined.any():
             for block in blocks[quarantined].tolist():
                 self.violations.append(LifecycleViolation(block, req_id, Violation.QUARANTINED_REUSED))
         # Filled by another request in this same step (not sealed yet), or loaded by
         # another KV connector: read without a seal to verify against.
-        unsealed = (states == BlockState.FILLING) | (states == BlockState.FREE)
+        unsealed = (states == FILLING) | (states == FREE)
         plan.unverified_hits += int(np.count_nonzero(unsealed))
-        free = states == BlockState.FREE
+        free = states == FREE
         if free.any():
-            self.state[blocks[free]] = BlockState.FILLING
+            self.state[blocks[free]] = FILLING
             self.writer_of[blocks[free]] = self._number(req_id)
         self._hold(self._number(req_id), blocks)
 
@@ -378,7 +528,11 @@ class BlockLedger:
         """A request gave its blocks back (finished or preempted): the blocks it was
         still writing hold nothing anyone may read, so they are free again."""
         self._read_window.pop(req_id, None)
-        self._tables.pop(req_id, None)
+        row = self._row_of.pop(req_id, None)
+        if row is not None:
+            self._table_len[row] = 0
+            self._free_rows.append(row)
+            self._last_decodes = None
         number = self._numbers.pop(req_id, None)
         if number is None:
             return
@@ -391,78 +545,113 @@ class BlockLedger:
         np.maximum(self.held, 0, out=self.held)
         mine = blocks[self.writer_of[blocks] == number]
         self.writer_of[mine] = -1
-        self.state[mine[self.state[mine] == BlockState.FILLING]] = BlockState.FREE
+        self.state[mine[self.state[mine] == FILLING]] = FREE
 
     def oldest_unverified_age(self, now: float) -> float:
         """Seconds since the least recently sealed-or-verified sealed page was checked."""
-        sealed = self.state == BlockState.SEALED
+        sealed = self.state == SEALED
         if not sealed.any():
             return 0.0
         return max(0.0, now - float(self.checked_at[sealed].min()))
 
     def _reads(
-        self, running: list[ScheduledRequest], budget: int | None, now: float
+        self, running: list[tuple[str, int]], decoded: _Decoded | None, budget: int | None, now: float
     ) -> tuple[list[int], list[int]]:
         """Pages this step's attention reads, all of them or a rotating sample: (sealed pages,
-        unfilled pages whose written rows are verified).
+        unfilled pages whose written rows are verified). ``running``: (request, tokens computed)
+        of the running requests in ``requests``; ``decodes``: the rest. Tables from the mirror.
 
         Sampling rotates over requests and, inside a request longer than the budget,
         over its pages, so a page read on every step is verified at least once every
-        ceil(pages read per step / budget) steps.
+        ceil(pages read per step / budget) steps. It looks at as many requests as the
+        budget takes, never at every running request.
         """
         bs = self.block_size
-        if not running:
+        d_at = np.flatnonzero(decoded.nc >= bs) if decoded is not None else _ids()
+        count = len(running) + len(d_at)
+        if not count:
             return [], []
-        chosen: list[Sequence[int]] = []
-        owners: list[str] = []
-        count = len(running)
-        start = self._read_cursor % count
-        left = budget
-        for i in range(count):
-            req = running[(start + i) % count]
-            whole = req.block_ids()
-            computed = req.num_computed // bs
-            table = list(whole[:computed])
-            if req.num_computed % bs and computed < len(whole):
-                # The unfilled page, one more page of the rotation: its rows written in earlier
-                # steps are verified (digest/rows.py).
-                table.append(whole[computed])
-            if left is not None and len(table) > left:
-                offset = self._read_window.get(req.req_id, 0) % len(table)
-                table = (list(table[offset:]) + list(table[:offset]))[:left]
-                self._read_window[req.req_id] = offset + left
-            chosen.append(table)
-            owners.append(req.req_id)
-            if left is not None:
+        if budget is None:
+            ids, owner = self._all_reads(running, decoded, d_at)
+            names: list[str] = [r for r, _ in running]
+            if decoded is not None:
+                names += [decoded.req_ids[i] for i in decoded.at[d_at].tolist()]
+        else:
+            chosen: list[np.ndarray] = []
+            names = []
+            start = self._read_cursor % count
+            left = budget
+            for i in range(count):
+                k = (start + i) % count
+                if k < len(running):
+                    req_id, computed_tokens = running[k]
+                else:
+                    assert decoded is not None
+                    j = int(d_at[k - len(running)])
+                    req_id, computed_tokens = decoded.req_ids[decoded.at[j]], int(decoded.nc[j])
+                table = self._read_pages(self.table(req_id), computed_tokens)
+                if len(table) > left:
+                    offset = self._read_window.get(req_id, 0) % len(table)
+                    table = np.roll(table, -offset)[:left]
+                    self._read_window[req_id] = offset + left
+                chosen.append(table)
+                names.append(req_id)
                 left -= len(table)
                 if left <= 0:
                     self._read_cursor = start + i + 1
                     break
-        else:
-            self._read_cursor = start + 1
-        if len(self._read_window) > 4 * count + 64:
-            live = {r.req_id for r in running}
-            self._read_window = {k: v for k, v in self._read_window.items() if k in live}
+            else:
+                self._read_cursor = start + 1
+            if len(self._read_window) > 4 * count + 64:
+                live = {r for r, _ in running} | set(decoded.req_ids if decoded is not None else ())
+                self._read_window = {k: v for k, v in self._read_window.items() if k in live}
+            ids = np.concatenate(chosen).astype(np.int64) if chosen else _ids()
+            owner = np.repeat(np.arange(len(chosen)), [len(t) for t in chosen])
         # One numpy pass instead of a Python test per page: keep sealed pages, first
         # occurrence of each (pages shared by several requests are read once).
-        ids = np.fromiter(itertools.chain.from_iterable(chosen), dtype=np.int64)
         states = self.state[ids]
-        if (states == BlockState.FREE).any():
+        if (states == FREE).any():
             # A computed block of a running request that the ledger saw released: a
             # stale block table. Rare, so the owner lookup is per block here.
-            which = np.repeat(np.arange(len(chosen)), [len(t) for t in chosen])
-            for i in np.flatnonzero(states == BlockState.FREE).tolist():
+            for i in np.flatnonzero(states == FREE).tolist():
                 self.violations.append(
-                    LifecycleViolation(int(ids[i]), owners[which[i]], Violation.FREE_BLOCK_READ)
+                    LifecycleViolation(int(ids[i]), names[owner[i]], Violation.FREE_BLOCK_READ)
                 )
         _, first = np.unique(ids, return_index=True)
         keep = np.sort(first)
         ids, states = ids[keep], states[keep]
-        partial = ids[states == BlockState.FILLING]
-        ids = ids[states == BlockState.SEALED]
+        partial = ids[states == FILLING]
+        ids = ids[states == SEALED]
         self.mark_verified(ids, now)
         self.mark_verified(partial, now)
         return ids.tolist(), partial.tolist()
+
+    def _read_pages(self, table: np.ndarray, computed_tokens: int) -> np.ndarray:
+        """The pages a running request's attention reads: its computed pages and, with rows
+        written in earlier steps, its unfilled page (one more page of the rotation: its rows
+        are verified, digest/rows.py)."""
+        computed = computed_tokens // self.block_size
+        if computed_tokens % self.block_size and computed < len(table):
+            computed += 1
+        return table[:computed]
+
+    def _all_reads(
+        self, running: list[tuple[str, int]], decoded: _Decoded | None, d_at: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Every page every running request reads (paranoid), with each page's reader index
+        (``running`` first, then the decodes at ``d_at``): the decodes in one numpy pass."""
+        parts = [self._read_pages(self.table(r), nc) for r, nc in running]
+        owner = [np.full(len(p), i) for i, p in enumerate(parts)]
+        if decoded is not None and len(d_at):
+            rows, nc = decoded.rows[d_at], decoded.nc[d_at]
+            pages = nc // self.block_size + (nc % self.block_size > 0)
+            pages = np.minimum(pages, self._table_len[rows])
+            mask = np.arange(self._table.shape[1])[None, :] < pages[:, None]
+            parts.append(self._table[rows][mask])
+            owner.append(len(running) + np.repeat(np.arange(len(rows)), pages))
+        if not parts:
+            return _ids(), _ids()
+        return np.concatenate(parts).astype(np.int64), np.concatenate(owner).astype(np.int64)
 
     def record_identity(self, req_id: str, blocks: np.ndarray, fingerprints: np.ndarray) -> None:
         """The fingerprints of pages ``req_id`` sealed (0 where not known)."""
@@ -487,14 +676,20 @@ class BlockLedger:
         """Who the blocks handed out this step were handed to (see ``owner_key``)."""
         self.owner_key[blocks] = keys
 
-    def lost_write_candidates(self, blocks: Sequence[int]) -> list[int]:
-        """Of the blocks written this step, those whose previous owner computed something else at
-        that page position (both owners known): a row that reads back as that owner's is then a
-        lost write. Where they computed the same (a resumed or recomputed request) or either is
-        unknown, equal rows are no evidence."""
-        ids = np.unique(np.asarray(blocks, dtype=np.int64))
+    def lost_write_rows(self, blocks: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Which of the rows written this step (their blocks, in order) could tell a lost write:
+        the block's previous owner computed something else at that page position (both owners
+        known), so a row that reads back as that owner's is then a lost write. Where they
+        computed the same (a resumed or recomputed request) or either is unknown, equal rows are
+        no evidence. One mask, no sort: it runs on every step."""
+        ids = np.asarray(blocks, dtype=np.int64)
         now, before = self.owner_key[ids], self.previous_key[ids]
-        return ids[(now != before) & (now != 0) & (before != 0)].tolist()
+        return (now != before) & (now != 0) & (before != 0)
+
+    def lost_write_candidates(self, blocks: Sequence[int] | np.ndarray) -> list[int]:
+        """The blocks of :meth:`lost_write_rows`, once each."""
+        ids = np.asarray(blocks, dtype=np.int64)
+        return np.unique(ids[self.lost_write_rows(ids)]).tolist()
 
     def forget_identity(self, block_ids: Sequence[int]) -> None:
         """A page whose content is no longer what it was sealed for (being recomputed)."""
@@ -502,18 +697,18 @@ class BlockLedger:
 
     def quarantine(self, block_ids: Iterable[int]) -> list[int]:
         """Mark blocks quarantined; return those that were not already."""
-        new = [b for b in dict.fromkeys(block_ids) if self.state[b] != BlockState.QUARANTINED]
-        self.state[new] = BlockState.QUARANTINED
+        new = [b for b in dict.fromkeys(block_ids) if self.state[b] != QUARANTINED]
+        self.state[new] = QUARANTINED
         return new
 
     def release_quarantined(self, block_ids: Iterable[int]) -> None:
         """Return quarantined blocks to circulation (the quarantine is full)."""
         blocks = list(block_ids)
-        self.state[blocks] = BlockState.FREE
+        self.state[blocks] = FREE
 
     def idle_sealed(self, in_use: Callable[[int], bool]) -> list[int]:
         """Sealed blocks that no request holds: pages at rest (fault-injection targets)."""
-        sealed = np.flatnonzero(self.state == BlockState.SEALED).tolist()
+        sealed = np.flatnonzero(self.state == SEALED).tolist()
         return [b for b in sealed if not in_use(b)]
 
     def take_violations(self) -> list[LifecycleViolation]:

@@ -79,12 +79,10 @@ class PageIdentity:
         if inputs is None or not len(positions):
             return out
         top = int(max(positions)) + 1
-        pages = inputs.pages
-        bs = self.block_size
-        known = len(inputs.tokens) // bs
-        while len(pages) < min(top, known):
-            i = len(pages)
-            pages.append(self._page(inputs, i, pages[-1] if pages else ROOT))
+        pages = self._pages(inputs, top)
+        if len(positions) == 1:  # a decode step's page: no array work
+            out[0] = pages[top - 1] if top <= len(pages) else 0
+            return out
         have = np.asarray(pages, dtype=np.uint64)
         pos = np.asarray(positions, dtype=np.int64)
         inside = pos < len(have)
@@ -96,6 +94,11 @@ class PageIdentity:
         write that position after the same prefix (the fingerprint of the page before it, and the
         position), so their rows there are the same computation. 0: unknown."""
         positions = np.asarray(positions, dtype=np.int64)
+        if len(positions) == 1:  # one block handed out (a decode step): plain ints
+            p = int(positions[0])
+            parent = int(self.fingerprints(req_id, [p - 1])[0]) if p else ROOT * (req_id in self.requests)
+            key = ((parent * 0x9E3779B185EBCA87) & 0xFFFFFFFFFFFFFFFF) ^ p if parent else 0
+            return np.array([key or (1 if parent else 0)], dtype=np.uint64)
         parents = self.fingerprints(req_id, np.maximum(positions - 1, 0))
         parents[positions == 0] = ROOT if req_id in self.requests else 0
         with np.errstate(over="ignore"):
@@ -103,6 +106,14 @@ class PageIdentity:
         keys[parents == 0] = 0
         keys[(keys == 0) & (parents != 0)] = 1
         return keys
+
+    def _pages(self, inputs: RequestInputs, top: int) -> list[int]:
+        """The request's page fingerprints, computed up to page ``top`` (where its tokens reach)."""
+        pages = inputs.pages
+        known = len(inputs.tokens) // self.block_size
+        while len(pages) < min(top, known):
+            pages.append(self._page(inputs, len(pages), pages[-1] if pages else ROOT))
+        return pages
 
     def _page(self, inputs: RequestInputs, i: int, parent: int) -> int:
         bs = self.block_size

@@ -82,3 +82,136 @@ def test_the_guard_reads_every_input_a_page_is_keyed_by_from_the_request() -> No
     assert len({base[0], lora[0], salt[0], embeds[0]}) == 4
     assert lora == same_adapter_other_handle
     assert media[0] == base[0] and media[1] != base[1]
+
+
+def _run_both(steps: list[Any], budget: int | None) -> None:
+    """Plan every step twice: from a view per request (scheduled_requests) and from the split
+    the connector uses (step_views: views for what changed, arrays for plain decodes)."""
+    import numpy as np
+
+    from vllm_kvguard.connector.scheduler import step_views
+    from vllm_kvguard.core.ledger import BlockLedger
+
+    slow, fast = BlockLedger(64, BS), BlockLedger(64, BS)
+    for so, tables, finished in steps:
+        manager = SimpleNamespace(get_block_ids=lambda req_id, t=tables: (t[req_id],))
+        for req_id in finished:
+            slow.release_request(req_id)
+            fast.release_request(req_id)
+        a = slow.plan(scheduled_requests(so, BS, manager), budget, 0.0, so.preempted_req_ids)
+        views, decodes = step_views(so, BS, manager)
+        b = fast.plan(views, budget, 0.0, so.preempted_req_ids, decodes)
+        rows = sorted(zip(a.written_blocks.tolist(), a.written_slots.tolist(), strict=True))
+        assert rows == sorted(zip(b.written_blocks.tolist(), b.written_slots.tolist(), strict=True))
+        for name in ("seal", "forget", "verify", "given", "read_verify", "read_partial"):
+            assert sorted(getattr(a, name)) == sorted(getattr(b, name)), name
+        assert sorted(a.started.tolist()) == sorted(b.started.tolist())
+        assert a.readers == b.readers and a.unverified_hits == b.unverified_hits
+        for name in ("sealed_pages", "given_pages"):
+            assert sorted((r, p.tolist(), k.tolist()) for r, p, k in getattr(a, name)) == sorted(
+                (r, p.tolist(), k.tolist()) for r, p, k in getattr(b, name)
+            ), name
+        hits = [sorted((r, h.tolist()) for r, h in p.hit_pages) for p in (a, b)]
+        assert hits[0] == hits[1]
+        for array in ("state", "generation", "held", "verified_step", "verified_before"):
+            assert np.array_equal(getattr(slow, array), getattr(fast, array)), array
+        assert slow.take_violations() == fast.take_violations()
+
+
+def _scenario(seed: int) -> list[Any]:
+    """vLLM-shaped steps: prompts arrive (some hitting a cached prefix), decode, get a block
+    per page, run chunked prefills and drafts, finish, are preempted and resumed."""
+    import random
+
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    rng = random.Random(seed)
+    free = list(range(1, 64))
+    tables: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    waiting: list[str] = []
+    running: list[str] = []
+    preempted: set[str] = set()
+    steps = []
+    prefix: list[int] = []  # a cached prefix (2 full pages) new prompts may hit
+    for step in range(60):
+        new, ntok, spec, finished, resumed, out_preempted = [], {}, {}, [], set(), set()
+        ids, new_blocks, nc = [], [], []
+        if rng.random() < 0.3 and len(free) > 8:
+            req_id = f"r{step}"
+            hit = prefix if prefix and rng.random() < 0.5 else []
+            length = rng.randint(1, 3 * BS)
+            need = -(-(len(hit) * BS + length) // BS) - len(hit)
+            table = hit + [free.pop(0) for _ in range(need)]
+            tables[req_id] = table
+            computed[req_id] = len(hit) * BS
+            ntok[req_id] = length
+            view = SimpleNamespace(req_id=req_id, block_ids=(list(table),), num_computed_tokens=len(hit) * BS)
+            new.append(view)
+            if not prefix and len(table) >= 3:
+                prefix = table[:2]
+            waiting.append(req_id)
+        for req_id in list(running):
+            if rng.random() < 0.08:
+                running.remove(req_id)
+                finished.append(req_id)
+                free.extend(b for b in tables.pop(req_id) if b not in prefix)
+                continue
+            if rng.random() < 0.05 and req_id not in preempted:
+                running.remove(req_id)
+                preempted.add(req_id)
+                out_preempted.add(req_id)
+                continue
+            tokens = rng.choice([1] * 8 + [2, 3])
+            if tokens > 1 and rng.random() < 0.5:
+                spec[req_id] = [0] * (tokens - 1)
+            end = computed[req_id] + tokens
+            added = []
+            while -(-end // BS) > len(tables[req_id]) and free:
+                added.append(free.pop(0))
+            tables[req_id].extend(added)
+            if -(-end // BS) > len(tables[req_id]):
+                continue  # out of blocks this step: not scheduled
+            ids.append(req_id)
+            new_blocks.append((added,) if added else None)
+            nc.append(computed[req_id])
+            ntok[req_id] = tokens
+        for req_id in sorted(preempted - out_preempted):
+            if rng.random() < 0.3:
+                preempted.discard(req_id)
+                resumed.add(req_id)
+                ids.append(req_id)
+                new_blocks.append((list(tables[req_id]),))
+                nc.append(computed[req_id] // BS * BS)
+                computed[req_id] = computed[req_id] // BS * BS
+                ntok[req_id] = 1
+                running.append(req_id)
+        cached = CachedRequestData(
+            req_ids=ids,
+            resumed_req_ids=resumed,
+            new_token_ids=[],
+            all_token_ids={},
+            new_block_ids=new_blocks,
+            num_computed_tokens=nc,
+            num_output_tokens=[0] * len(ids),
+        )
+        so = SimpleNamespace(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=ntok,
+            total_num_scheduled_tokens=sum(ntok.values()),
+            scheduled_spec_decode_tokens=spec,
+            preempted_req_ids=out_preempted,
+        )
+        steps.append((so, {k: list(v) for k, v in tables.items()}, finished))
+        for req_id, tokens in ntok.items():
+            computed[req_id] = computed.get(req_id, 0) + tokens - len(spec.get(req_id, ()))
+        running.extend(waiting)
+        waiting = []
+    return steps
+
+
+def test_the_split_views_plan_every_step_as_a_view_per_request_would() -> None:
+    for seed in range(12):
+        for budget in (0, None):
+            _run_both(_scenario(seed), budget)

@@ -102,7 +102,7 @@ def test_block_table_is_not_fetched_for_plain_decode_steps() -> None:
     ledger.plan([ScheduledRequest("a", 6, 1, False, [], table)])
     plan = ledger.plan([ScheduledRequest("a", 7, 1, False, [], table)])
     assert calls == [1]
-    assert (plan.written_blocks, plan.written_slots) == ([2], [3])
+    assert (plan.written_blocks.tolist(), plan.written_slots.tolist()) == ([2], [3])
 
 
 def _running_ledger():
@@ -297,10 +297,10 @@ def test_plan_lists_the_rows_each_forward_writes_and_the_blocks_handed_out() -> 
     assert owner == "a" and positions.tolist() == [0, 1] and blocks.tolist() == [1, 2]
     # Decode: the request's table mirror places the row; a new block is appended at position 2.
     plan = ledger.plan([req("a", 6, 1, False, [], [1, 2])])
-    assert (plan.written_blocks, plan.written_slots, plan.given) == ([2], [2], [])
+    assert (plan.written_blocks.tolist(), plan.written_slots.tolist(), plan.given) == ([2], [2], [])
     ledger.plan([req("a", 7, 1, False, [], [1, 2])])
     plan = ledger.plan([req("a", 8, 1, False, [3], [1, 2, 3])])
-    assert (plan.written_blocks, plan.written_slots, plan.given) == ([3], [0], [3])
+    assert (plan.written_blocks.tolist(), plan.written_slots.tolist(), plan.given) == ([3], [0], [3])
     assert plan.given_pages[0][1].tolist() == [2]
 
 
@@ -319,7 +319,7 @@ def test_unfilled_pages_are_verified_with_the_pages_read_and_owner_keys_roll() -
     assert ledger.previous_key[2] == 6 and ledger.owner_key[2] == 0
     # A new owner's page is known good from its own first write on (a previous life's checks
     # do not count).
-    assert plan.started == [2] and ledger.last_good_step(2, plan.step + 1) == plan.step
+    assert plan.started.tolist() == [2] and ledger.last_good_step(2, plan.step + 1) == plan.step
     assert ledger.last_good_step(2, plan.step) == -1
     # Unknown owner: never evidence of a lost write; the same computation again neither.
     assert ledger.lost_write_candidates([2, 2]) == []

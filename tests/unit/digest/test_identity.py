@@ -54,3 +54,22 @@ def test_pages_not_yet_written_are_unknown_and_computed_once() -> None:
     assert identity.fingerprints("unknown", [0]).tolist() == [0]
     identity.drop("r")
     assert identity.requests == {}
+
+
+def test_one_position_answers_as_the_array_path_does() -> None:
+    # A decode step asks for one page at a time (a short path without array work).
+    import numpy as np
+
+    from vllm_kvguard.digest.identity import PageIdentity, RequestInputs, context_bytes
+
+    identity = PageIdentity(4)
+    identity.add("a", RequestInputs(list(range(30)), context_bytes(), (), None))
+    for p in range(9):  # pages 0..6 known, 7 and 8 past the tokens
+        assert identity.owner_keys("a", np.array([p]))[0] == identity.owner_keys("a", np.array([p, p]))[0]
+        assert identity.fingerprints("a", [p])[0] == identity.fingerprints("a", [p, p])[0]
+    assert identity.fingerprints("a", [7])[0] == 0 and identity.owner_keys("a", np.array([7]))[0] != 0
+    assert (
+        identity.owner_keys("unknown", np.array([0]))[0]
+        == 0
+        == identity.owner_keys("unknown", np.array([0, 1]))[0]
+    )

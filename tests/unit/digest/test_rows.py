@@ -85,18 +85,21 @@ def test_axis_layout_gathers_the_slot_dimension() -> None:
     assert rows.check(np.array([2]), np.array([3])).tolist() == [0]
 
 
-def test_a_strided_layout_is_fitted_from_the_element_map_and_reads_the_same_rows() -> None:
-    from vllm_kvguard.digest.rows import StridedRows, strided_parts
+def test_host_rows_read_the_same_bytes_as_torch_and_back_the_digests() -> None:
+    from vllm_kvguard.digest.rows import HostRows
 
-    cache, elements = _packed_cache()
-    parts = strided_parts(elements, 2)
-    assert parts is not None and len(parts) == 2
-    packed, strided = PackedRows(cache, elements), StridedRows(cache, parts)
-    b, s = torch.tensor([1, 4, 4]), torch.tensor([0, 3, 1])
-    # The same elements (each access keeps its own order: element order, or part by part).
-    assert torch.equal(packed(b, s).sort(dim=1).values, strided(b, s).sort(dim=1).values)
-    strided.put(b[:1], s[:1], torch.zeros(1, elements.shape[1]))
-    assert not packed(b[:1], s[:1]).any() and packed(b[1:], s[1:]).all()
-    # A map that is no strided pattern (elements shuffled across the page) is not fitted.
-    perm = np.random.default_rng(1).permutation(cache[0].numel())
-    assert strided_parts(np.sort(perm[elements], axis=1), 2) is None
+    layers = [_packed_cache()[0] for _ in range(2)]
+    _, elements = _packed_cache()
+    host = HostRows(layers, elements)
+    b, s = np.array([1, 4, 4]), np.array([0, 3, 1])
+    packed = [PackedRows(t, elements) for t in layers]
+    expected = torch.cat([g(torch.from_numpy(b), torch.from_numpy(s)) for g in packed], dim=1)
+    assert np.array_equal(host.gather(b, s), expected.contiguous().view(torch.uint8).numpy())
+    rows = RowDigests(layers, packed, 6, BS, host)
+    assert rows.row_bytes == host.row_bytes == 2 * 2 * 2 * 8 * 4
+    rows.record(b, s)
+    assert rows.check(b, s).tolist() == []
+    layers[1][4].view(-1)[int(elements[3][5])] += 1.0  # the second layer of row (4, 3)
+    assert rows.check(b, s).tolist() == [1]
+    # Digests are the same whichever way the rows are read.
+    assert (RowDigests(layers, packed, 6, BS).hash(b, s) == rows.hash(b, s)).all()
