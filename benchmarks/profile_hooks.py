@@ -1,6 +1,6 @@
 """Where the guard's time goes, hook by hook, on the `kvguard bench` workload.
 
-    python benchmarks/profile_hooks.py [reuse|sampled|paranoid] [--pyinstrument out.txt]
+    python benchmarks/profile_hooks.py [reuse|sampled|paranoid] [--concurrency 16] [--pyinstrument out.txt]
 
 Runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the
 scheduler and worker halves of the guard can be timed directly, then prints
@@ -22,6 +22,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("policy", nargs="?", default="sampled", choices=["reuse", "sampled", "paranoid"])
     ap.add_argument("--pyinstrument", type=Path, help="write a pyinstrument text profile here")
+    ap.add_argument("--concurrency", type=int, default=16, help="requests running at once (kvguard bench's)")
     a = ap.parse_args()
     os.environ.update(
         VLLM_KVGUARD="1",
@@ -34,13 +35,14 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     import vllm_kvguard.connector as connector
-    from vllm_kvguard.tools.bench import ENGINE_ARGS, WARMUP, WORKLOAD
+    from vllm_kvguard.tools.bench import WARMUP, engine_args, workload
     from vllm_kvguard.tools.tinymodel import build_tiny_model
 
     model = build_tiny_model(
         Path(tempfile.gettempdir()) / "kvguard-bench-model", layers=4, hidden=512, heads=8, kv_heads=8
     )
-    llm = LLM(model=str(model), **ENGINE_ARGS)
+    llm = LLM(model=str(model), **engine_args(a.concurrency))
+    work = workload(a.concurrency)
     totals: dict[str, list[float]] = {}
     hooks = [
         "build_connector_meta",
@@ -64,8 +66,8 @@ def main() -> None:
         setattr(connector.KVGuardConnector, name, timed)
     llm.generate([p for w in WARMUP.waves() for p in w], SamplingParams(max_tokens=8), use_tqdm=False)
     totals.clear()
-    prompts = [p for w in WORKLOAD.waves() for p in w]
-    params = SamplingParams(temperature=0.0, max_tokens=WORKLOAD.max_tokens, ignore_eos=True)
+    prompts = [p for w in work.waves() for p in w]
+    params = SamplingParams(temperature=0.0, max_tokens=work.max_tokens, ignore_eos=True)
     profiler = None
     if a.pyinstrument:
         from pyinstrument import Profiler

@@ -66,8 +66,19 @@ def _output(new: list[Any], cached: CachedRequestData, ntok: dict[str, int]) -> 
 
 
 class Bench:
-    def __init__(self, running: int, blocks: int, verify: str, bs: int, layers: int, heads: int, head: int):
+    def __init__(
+        self,
+        running: int,
+        blocks: int,
+        verify: str,
+        bs: int,
+        layers: int,
+        heads: int,
+        head: int,
+        rows: str = "on",
+    ):
         env = {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_VERIFY": verify, "VLLM_KVGUARD_SCRUB_INTERVAL": "0"}
+        env["VLLM_KVGUARD_ROWS"] = "1" if rows == "on" else "0"
         env["VLLM_KVGUARD_LOG_LEVEL"] = "WARNING"
         config = load_config(env)
         self.bs = bs
@@ -207,9 +218,11 @@ class Bench:
 
 
 def measure(args: argparse.Namespace, running: int, blocks: int, verify: str) -> dict[str, Any]:
-    bench = Bench(running, blocks, verify, args.block_size, args.layers, args.kv_heads, args.head_size)
+    bench = Bench(
+        running, blocks, verify, args.block_size, args.layers, args.kv_heads, args.head_size, args.rows
+    )
     bs = args.block_size
-    result: dict[str, Any] = {"running": running, "blocks": blocks, "verify": verify}
+    result: dict[str, Any] = {"running": running, "blocks": blocks, "verify": verify, "rows": args.rows}
     # quiet: everyone at position 8*bs+1 of its table; steps up to the page's last slot are quiet.
     bench.prefill([0] * running)
     quiet = [bench.decode() for _ in range(bs - 3)]
@@ -236,13 +249,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--kv-heads", type=int, default=1)
     ap.add_argument("--head-size", type=int, default=32)
+    ap.add_argument("--rows", choices=["on", "off"], default="on", help="row digests (VLLM_KVGUARD_ROWS)")
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args()
     torch.set_num_threads(1)
     results = []
     print(
-        f"{a.layers} layers x {a.kv_heads} KV heads x head {a.head_size}, block {a.block_size}, bfloat16; "
-        "guard us per decode step (median)"
+        f"{a.layers} layers x {a.kv_heads} KV heads x head {a.head_size}, block {a.block_size}, bfloat16, "
+        f"rows {a.rows}; guard us per decode step (median)"
     )
     print(f"{'verify':8s} {'running':>7s} {'blocks':>8s}   quiet: sched  worker   mixed: sched  worker")
     for verify in a.verify.split(","):

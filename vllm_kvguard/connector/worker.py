@@ -631,8 +631,11 @@ class KVGuardWorker:
                 filling.append(injection)
             elif injection.at == FaultSite.REST:
                 at_rest.append(injection)
+        # Which pages being sealed hold NaN/Inf, found on the rows gathered for their row digests
+        # (covered: every slot's row tested); the others are tested at the seal below.
+        known: tuple[np.ndarray, np.ndarray] | None = None
         if self.rows is not None:
-            seal = self._rows_after_forward(meta, seal)
+            seal, known = self._rows_after_forward(meta, seal)
         for injection in filling:
             if not self._corrupt_rows(injection):
                 self._worker_meta().unchanged_faults.append(injection.fault_id)
@@ -649,41 +652,75 @@ class KVGuardWorker:
             self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
         elif seal:
             finite = self.config.nonfinite_mode is not None
-            # One gather of the pages for both the NaN/Inf test and the syndromes.
-            flags, facts = self.pages.seal_facts(seal, check_finite=finite)
-            if finite and self._check_finite(meta, flags):
-                # Non-finite elements were zeroed: the syndromes must describe what is sealed.
+            if finite and known is not None:
+                flags, covered = known
+                untested = np.flatnonzero(~covered)
+                if len(untested):
+                    flags[untested] = self.pages.nonfinite([seal[i] for i in untested.tolist()])
+                self._check_finite(meta, flags)
                 facts = self.pages.seal_facts(seal, check_finite=False)[1]
+            else:
+                # One gather of the pages for both the NaN/Inf test and the syndromes.
+                flags, facts = self.pages.seal_facts(seal, check_finite=finite)
+                if finite and self._check_finite(meta, flags):
+                    # Non-finite elements were zeroed: the syndromes must describe what is sealed.
+                    facts = self.pages.seal_facts(seal, check_finite=False)[1]
             self.table.seal(seal, self.pages.digest(seal), facts)
             self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
         for injection in at_rest:
             if not self._inject(injection):
                 self._worker_meta().unchanged_faults.append(injection.fault_id)
 
-    def _rows_after_forward(self, meta: KVGuardMetadata, seal: list[int]) -> list[int]:
+    def _rows_after_forward(
+        self, meta: KVGuardMetadata, seal: list[int]
+    ) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
         """Check the rows of pages about to be sealed that earlier steps wrote (never seal over
         data that changed after it was written), then record the rows this forward wrote and
         report any that still read as the block's previous owner's (a lost write). Returns the
-        pages to seal."""
+        pages to seal and, where the NaN/Inf check is on and the rows are on the host, what the
+        rows gathered for both showed of them: (pages x layers non-finite, pages whose every slot
+        was tested), so that sealing needs no separate pass over those pages."""
         assert self.rows is not None
         plan = meta.plan
         start = time.perf_counter()
+        test = self.config.nonfinite_mode is not None and self.rows.host is not None
+        layers = len(self.rows.gathers)
         changed: set[int] = set()
+        tested: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (blocks, slots, rows x layers)
         if seal:
             blocks, slots = self.rows.written(seal)
             if len(blocks):
-                changed = self._row_findings(meta, blocks, slots, self.rows.check(blocks, slots), "seal")
+                flags = np.zeros((len(blocks), layers), dtype=bool) if test else None
+                bad = self.rows.check(blocks, slots, flags)
+                changed = self._row_findings(meta, blocks, slots, bad, "seal")
                 self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
+                if flags is not None:
+                    tested.append((blocks, slots, flags))
         if len(plan.written_blocks):
             blocks = np.asarray(plan.written_blocks, dtype=np.int64)
             slots = np.asarray(plan.written_slots, dtype=np.int64)
-            same = self.rows.record(blocks, slots)
+            flags = np.zeros((len(blocks), layers), dtype=bool) if test and seal else None
+            same = self.rows.record(blocks, slots, flags)
             self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
+            if flags is not None:
+                tested.append((blocks, slots, flags))
             if same.any() and meta.lost_write_rows.any():
                 checked = same & meta.lost_write_rows
                 self._lost_writes(meta, blocks[checked], slots[checked])
         self.counters.observe("verify_seconds", time.perf_counter() - start)
-        return [b for b in seal if b not in changed] if changed else seal
+        if changed:
+            seal = [b for b in seal if b not in changed]
+        if not test or not seal:
+            return seal, None
+        where = {b: i for i, b in enumerate(seal)}
+        found = np.zeros((len(seal), layers), dtype=bool)
+        seen = np.zeros((len(seal), self.rows.block_size), dtype=bool)
+        for blocks, slots, flags in tested:
+            page = np.fromiter((where.get(b, -1) for b in blocks.tolist()), dtype=np.int64, count=len(blocks))
+            mine = page >= 0
+            np.logical_or.at(found, page[mine], flags[mine])
+            seen[page[mine], slots[mine]] = True
+        return seal, (found, seen.all(axis=1))
 
     def _lost_writes(self, meta: KVGuardMetadata, blocks: np.ndarray, slots: np.ndarray) -> None:
         assert self.rows is not None

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import xxhash
 
+from vllm_kvguard.digest.dtypes import nonfinite_words
 from vllm_kvguard.digest.kernel import P1, P2, P3, P5, _avalanche
 
 _MASK = (1 << 64) - 1
@@ -108,17 +109,31 @@ class HostRows:
             lanes = t.view(getattr(torch, f"int{8 * t.element_size()}"))
             self.flat.append(lanes.reshape(-1).numpy().view(_LANES[t.element_size()]))
         self.page_elements = first[0].numel()
+        self.dtype = first.dtype
         self.elements = np.asarray(elements, dtype=np.int64)
         self.width = self.elements.shape[1]
         self.row_bytes = len(tensors) * self.width * first.element_size()
 
     def gather(self, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """(rows, row_bytes) uint8: each row's bytes, layer by layer."""
-        index = np.asarray(blocks, dtype=np.int64)[:, None] * self.page_elements + self.elements[slots]
+        index = self.elements[slots]
+        index += (np.asarray(blocks, dtype=np.int64) * self.page_elements)[:, None]
         out = np.empty((len(index), len(self.flat), self.width), dtype=self.flat[0].dtype)
         for layer, flat in enumerate(self.flat):
-            np.take(flat, index, out=out[:, layer, :])
+            # Every index is inside the pool by construction: "clip" skips the bounds error path.
+            np.take(flat, index, out=out[:, layer, :], mode="clip")
         return out.reshape(len(index), -1).view(np.uint8)
+
+    def nonfinite(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """Fill ``out`` (rows, layers) with which gathered ``rows`` (:meth:`gather`'s) hold NaN or
+        Inf in each layer; left as it is if a layer's row is not whole 64-bit words."""
+        layer_bytes = rows.shape[1] // len(self.flat)
+        if layer_bytes % 8 or not len(rows):
+            return
+        words = rows.view(np.int64).reshape(len(rows) * len(self.flat), layer_bytes // 8)
+        flags = nonfinite_words(words, self.dtype)
+        if flags is not None:
+            out[:] = flags.reshape(len(rows), len(self.flat))
 
 
 def row_digests_reference(rows: np.ndarray, slots: Sequence[int]) -> np.ndarray:
@@ -192,13 +207,19 @@ class RowDigests:
     def nbytes(self) -> int:
         return self.rows.nbytes + self.previous.nbytes
 
-    def hash(self, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """Digests of the rows (blocks[i], slots[i]) as they are now, uint64 (never 0)."""
+    def hash(self, blocks: np.ndarray, slots: np.ndarray, nonfinite: np.ndarray | None = None) -> np.ndarray:
+        """Digests of the rows (blocks[i], slots[i]) as they are now, uint64 (never 0).
+
+        ``nonfinite``: a (rows, layers) bool array to fill with which rows hold NaN or Inf in
+        which layer, tested on the rows gathered for hashing (no other pass over the pages);
+        left as it is where the rows cannot be tested here (off the host, other dtypes)."""
         n = len(blocks)
         if not n:
             return np.zeros(0, dtype=np.uint64)
         if self.host is not None:
             raw = self.host.gather(blocks, np.asarray(slots, dtype=np.int64))
+            if nonfinite is not None:
+                self.host.nonfinite(raw, nonfinite)
         else:
             b = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
             s = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
@@ -218,10 +239,13 @@ class RowDigests:
         out[out == 0] = 1
         return out
 
-    def record(self, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    def record(
+        self, blocks: np.ndarray, slots: np.ndarray, nonfinite: np.ndarray | None = None
+    ) -> np.ndarray:
         """Hash rows just written and keep their digests; returns which of them equal what the
-        block's previous owner had at that slot (a write that did not land)."""
-        digests = self.hash(blocks, slots)
+        block's previous owner had at that slot (a write that did not land). ``nonfinite``: as
+        in :meth:`hash`."""
+        digests = self.hash(blocks, slots, nonfinite)
         previous = self.previous[blocks, slots]
         self.rows[blocks, slots] = digests
         return (digests == previous) & (previous != 0)
@@ -232,11 +256,12 @@ class RowDigests:
         r, s = np.nonzero(self.rows[ids])
         return ids[r], s.astype(np.int64)
 
-    def check(self, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """Indices of the rows (blocks[i], slots[i]) that changed since they were recorded."""
+    def check(self, blocks: np.ndarray, slots: np.ndarray, nonfinite: np.ndarray | None = None) -> np.ndarray:
+        """Indices of the rows (blocks[i], slots[i]) that changed since they were recorded.
+        ``nonfinite``: as in :meth:`hash`."""
         if not len(blocks):
             return np.zeros(0, dtype=np.int64)
-        return np.flatnonzero(self.hash(blocks, slots) != self.rows[blocks, slots])
+        return np.flatnonzero(self.hash(blocks, slots, nonfinite) != self.rows[blocks, slots])
 
     def _ids(self, blocks: Sequence[int], slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return (

@@ -39,11 +39,31 @@ ENGINE_ARGS: dict[str, Any] = {
 }
 WORKLOAD = Workload(prefixes=4, per_prefix=8, prefix_words=384, suffix_words=16, max_tokens=64, seed=7)
 WARMUP = Workload(prefixes=2, per_prefix=2, prefix_words=64, suffix_words=8, max_tokens=8, seed=99)
+CONCURRENCY = ENGINE_ARGS["max_num_seqs"]
 
 
-def _run_one(model: str, config: str, work: Path, index: int) -> dict[str, Any]:
+def engine_args(concurrency: int = CONCURRENCY) -> dict[str, Any]:
+    """The bench's engine settings with up to ``concurrency`` requests running at once."""
+    return {**ENGINE_ARGS, "max_num_seqs": concurrency}
+
+
+def workload(concurrency: int = CONCURRENCY) -> Workload:
+    """Twice as many requests as can run at once (the default: :data:`WORKLOAD`), four prefixes."""
+    if concurrency == CONCURRENCY:
+        return WORKLOAD
+    return Workload(
+        prefixes=4,
+        per_prefix=max(2, concurrency // 2),
+        prefix_words=384,
+        suffix_words=16,
+        max_tokens=64,
+        seed=7,
+    )
+
+
+def _run_one(model: str, config: str, work: Path, index: int, concurrency: int) -> dict[str, Any]:
     env = engine_env({**CONFIGS[config], "VLLM_KVGUARD_LOG_LEVEL": "WARNING"})
-    args = {"model": model, "out": str(work / f"{config}-{index}.json")}
+    args = {"model": model, "out": str(work / f"{config}-{index}.json"), "concurrency": concurrency}
     return run_child("bench", args, env, work / f"{config}-{index}.log")
 
 
@@ -55,6 +75,7 @@ def run_bench(
     workdir: Path | None = None,
     keep: bool = False,
     progress: Any = sys.stderr,
+    concurrency: int = CONCURRENCY,
 ) -> dict[str, Any]:
     show = Progress(progress)
     check_model(model)
@@ -77,13 +98,13 @@ def run_bench(
                 runs[config].append(
                     show.run(
                         f"[{rep + 1}/{repeats}] {config}",
-                        lambda c=config, r=rep: _run_one(model, c, folder.path, r),
+                        lambda c=config, r=rep: _run_one(model, c, folder.path, r, concurrency),
                     )
                 )
         ok = True
     finally:
         folder.finish(progress, ok)
-    return summarize(runs, model=model, repeats=repeats)
+    return summarize(runs, model=model, repeats=repeats, concurrency=concurrency)
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -91,7 +112,9 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(real) if real else None
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]], *, model: str, repeats: int) -> dict[str, Any]:
+def summarize(
+    runs: dict[str, list[dict[str, Any]]], *, model: str, repeats: int, concurrency: int = CONCURRENCY
+) -> dict[str, Any]:
     """Medians per configuration and ratios to guard-off (pure: no engine here)."""
     keys = ("tokens_per_s", "output_tokens_per_s", "ttft_s", "itl_s", "guard_share")
     medians = {c: {k: _median([r[k] for r in rs]) for k in keys} for c, rs in runs.items()}
@@ -107,8 +130,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]], *, model: str, repeats: int
     return {
         "model": model,
         "repeats": repeats,
-        "workload": asdict(WORKLOAD),
-        "engine_args": ENGINE_ARGS,
+        "concurrency": concurrency,
+        "workload": asdict(workload(concurrency)),
+        "engine_args": engine_args(concurrency),
         "medians": medians,
         "ratio_to_off": ratios,
         "runs": runs,
@@ -131,5 +155,9 @@ def render(report: dict[str, Any]) -> str:
             f"   {fmt(m['itl_s'], scale=1e3, digits=2):>6s}  {fmt(r['itl_s'], digits=3):>5s}"
             f"   {fmt(m['guard_share'], ' %', 100.0, 2):>19s}"
         )
-    lines.append(f"(medians of {report['repeats']} interleaved runs; ratios are to guard off)")
+    running = report.get("concurrency", CONCURRENCY)
+    lines.append(
+        f"(medians of {report['repeats']} interleaved runs, up to {running} requests at once; "
+        "ratios are to guard off)"
+    )
     return "\n".join(lines)

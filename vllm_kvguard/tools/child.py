@@ -55,11 +55,13 @@ def _metric_totals(llm: Any) -> dict[str, float]:
 def bench_workload(args: dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=args["model"], **bench.ENGINE_ARGS)
+    concurrency = int(args.get("concurrency", bench.CONCURRENCY))
+    llm = LLM(model=args["model"], **bench.engine_args(concurrency))
     warm = [p for wave in bench.WARMUP.waves() for p in wave]
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=bench.WARMUP.max_tokens), use_tqdm=False)
-    prompts = [p for wave in bench.WORKLOAD.waves() for p in wave]
-    params = SamplingParams(temperature=0.0, max_tokens=bench.WORKLOAD.max_tokens, ignore_eos=True)
+    work = bench.workload(concurrency)
+    prompts = [p for wave in work.waves() for p in wave]
+    params = SamplingParams(temperature=0.0, max_tokens=work.max_tokens, ignore_eos=True)
     before = _metric_totals(llm)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

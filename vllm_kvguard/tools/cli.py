@@ -106,6 +106,12 @@ def parser() -> argparse.ArgumentParser:
         default=["off", "default", "paranoid"],
         help="comma list of off, default, paranoid (default: all three)",
     )
+    bench.add_argument(
+        "--concurrency",
+        type=_positive("--concurrency"),
+        default=16,
+        help="requests running at once (vLLM's max_num_seqs; twice as many are sent; default 16)",
+    )
     bench.add_argument("--workdir", type=Path, help="where to keep the model, run logs and results")
     bench.add_argument(
         "--keep", action="store_true", help="keep the temporary work folder (a failed run always keeps it)"
@@ -195,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 configs=args.configs,
                 workdir=args.workdir,
                 keep=args.keep,
+                concurrency=args.concurrency,
             )
         except RuntimeError as exc:
             print(f"kvguard bench: {exc}", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -173,3 +174,49 @@ def test_a_bit_flip_in_a_sealed_all_zero_page_is_located_too() -> None:
     [d] = out.detections  # type: ignore[attr-defined]
     assert (d.shape, d.repaired, d.where["word"]) == ("single_bit", True, 512) and bad == set()
     assert not kv[4].view(torch.uint8).any()
+
+
+def _rows_worker() -> tuple[KVGuardWorker, torch.Tensor]:
+    """A worker with row digests on: vLLM's CPU page (kv_heads, block_size, 2 x head_size)."""
+    config = load_config({"VLLM_KVGUARD": "1", "VLLM_KVGUARD_SCRUB_INTERVAL": "0"})
+    worker = KVGuardWorker(config, BLOCKS, rank=0, log=GuardLog(config, role="worker", rank=0), block_size=16)
+    kv = torch.randn(BLOCKS, 1, 16, 2 * 32).to(torch.bfloat16)
+    worker.register_kv_caches({"model.layers.0.self_attn.attn": kv})
+    assert worker.rows is not None and worker.rows.host is not None
+    return worker, kv
+
+
+def _written(step: int, block: int, slots: list[int], seal: list[int]) -> KVGuardMetadata:
+    plan = StepPlan(step, seal=seal)
+    plan.written_blocks = np.full(len(slots), block, dtype=np.int64)
+    plan.written_slots = np.asarray(slots, dtype=np.int64)
+    return KVGuardMetadata(plan)
+
+
+@pytest.mark.parametrize("nan_slot", [1, 15])
+def test_nan_in_a_page_is_found_on_its_row_gathers_without_another_pass(
+    nan_slot: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker, kv = _rows_worker()
+    assert worker.pages is not None and worker.rows is not None and worker.rows.host is not None
+    slot_elements = worker.rows.host.elements
+    _step(worker, _written(1, 2, list(range(14)), []))
+    # Slot 1's NaN is in a row recorded a step before the seal (re-hashed by the fill check); slot
+    # 15's in a row written by the sealing step itself (hashed by its record).
+    kv[2].view(-1)[int(slot_elements[nan_slot][5])] = float("nan")
+    if nan_slot == 1:
+        worker.rows.rows[2, 1] = worker.rows.hash(np.array([2]), np.array([1]))[0]  # as if written so
+    calls: list[object] = []
+    monkeypatch.setattr(worker.pages, "nonfinite", lambda blocks: calls.append(blocks))
+    _, out = _step(worker, _written(2, 2, [14, 15], [2]))
+    assert [(d.block_id, d.kind) for d in out.detections] == [(2, "nonfinite")]  # type: ignore[attr-defined]
+    assert calls == [] and torch.isfinite(kv[2]).all()  # every slot's row was tested: no page pass
+
+
+def test_a_page_with_rows_never_recorded_is_tested_at_the_seal() -> None:
+    worker, kv = _rows_worker()
+    _step(worker, _written(1, 4, list(range(13)), []))  # slots 13, 14: no row digest (drafts)
+    kv[4].view(-1)[int(worker.rows.host.elements[13][0])] = float("nan")  # type: ignore[union-attr]
+    _, out = _step(worker, _written(2, 4, [15], [4]))
+    assert [(d.block_id, d.kind) for d in out.detections] == [(4, "nonfinite")]  # type: ignore[attr-defined]
+    assert torch.isfinite(kv[4]).all()
