@@ -720,7 +720,8 @@ class KVGuardWorker:
             mine = page >= 0
             np.logical_or.at(found, page[mine], flags[mine])
             seen[page[mine], slots[mine]] = True
-        return seal, (found, seen.all(axis=1))
+        covered = np.asarray(seen.all(axis=1))
+        return seal, (found, covered)
 
     def _lost_writes(self, meta: KVGuardMetadata, blocks: np.ndarray, slots: np.ndarray) -> None:
         assert self.rows is not None
