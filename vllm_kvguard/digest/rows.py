@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import xxhash
 
-from vllm_kvguard.digest.dtypes import nonfinite_lanes
+from vllm_kvguard.digest.dtypes import nonfinite_words
 from vllm_kvguard.digest.kernel import P1, P2, P3, P5, _avalanche
 
 _MASK = (1 << 64) - 1
@@ -126,11 +126,12 @@ class HostRows:
 
     def nonfinite(self, rows: np.ndarray, out: np.ndarray) -> None:
         """Fill ``out`` (rows, layers) with which gathered ``rows`` (:meth:`gather`'s) hold NaN or
-        Inf in each layer; left as it is for dtypes without a host test."""
+        Inf in each layer; left as it is if a layer's row is not whole 64-bit words."""
         layer_bytes = rows.shape[1] // len(self.flat)
-        if not len(rows):
+        if layer_bytes % 8 or not len(rows):
             return
-        flags = nonfinite_lanes(rows.reshape(len(rows) * len(self.flat), layer_bytes), self.dtype)
+        words = rows.view(np.int64).reshape(len(rows) * len(self.flat), layer_bytes // 8)
+        flags = nonfinite_words(words, self.dtype)
         if flags is not None:
             out[:] = flags.reshape(len(rows), len(self.flat))
 
