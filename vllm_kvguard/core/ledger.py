@@ -592,7 +592,7 @@ class BlockLedger:
                 table = self._read_pages(self.table(req_id), computed_tokens)
                 if len(table) > left:
                     offset = self._read_window.get(req_id, 0) % len(table)
-                    table = np.roll(table, -offset)[:left]
+                    table = np.concatenate((table[offset:], table[:offset]))[:left]
                     self._read_window[req_id] = offset + left
                 chosen.append(table)
                 names.append(req_id)
