@@ -712,11 +712,15 @@ class KVGuardWorker:
             seal = [b for b in seal if b not in changed]
         if not test or not seal:
             return seal, None
-        where = {b: i for i, b in enumerate(seal)}
+        sealing = np.asarray(seal, dtype=np.int64)
+        order = np.argsort(sealing)
+        ordered = sealing[order]
         found = np.zeros((len(seal), layers), dtype=bool)
         seen = np.zeros((len(seal), self.rows.block_size), dtype=bool)
         for blocks, slots, flags in tested:
-            page = np.fromiter((where.get(b, -1) for b in blocks.tolist()), dtype=np.int64, count=len(blocks))
+            # Each row's page among those being sealed (-1: another page), without Python per row.
+            at = np.minimum(np.searchsorted(ordered, blocks), len(ordered) - 1)
+            page = np.where(ordered[at] == blocks, order[at], -1)
             mine = page >= 0
             np.logical_or.at(found, page[mine], flags[mine])
             seen[page[mine], slots[mine]] = True
