@@ -362,11 +362,9 @@ class BlockLedger:
                     plan.sealed_pages.append(
                         (decodes.req_ids[d_index[i]], col[i : i + 1], d_blocks[i : i + 1])
                     )
-        plan.written_blocks = np.concatenate([_ids(rows_b), d_blocks]) if len(d_blocks) else _ids(rows_b)
-        plan.written_slots = np.concatenate([_ids(rows_s), d_slots]) if len(d_blocks) else _ids(rows_s)
-        plan.started = (
-            np.concatenate([_ids(started), d_blocks[d_slots == 0]]) if len(d_blocks) else _ids(started)
-        )
+        plan.written_blocks = np.concatenate([_ids(rows_b), d_blocks])
+        plan.written_slots = np.concatenate([_ids(rows_s), d_slots])
+        plan.started = np.concatenate([_ids(started), d_blocks[d_slots == 0]])
         if plan.seal or plan.verify or len(plan.started):
             self.mark_verified(np.concatenate([_ids(plan.seal), _ids(plan.verify), plan.started]), now)
         if read_budget != 0:
