@@ -258,7 +258,6 @@ class KVGuardScheduler:
         self._scrub_behind_logged = False
         self._age_reported_at = 0.0
         self._state_reported_at = 0.0
-        self._reported_idle = False
         # Non-finite pages: blocks to report unreadable next step, and how often each
         # request was sent to recompute one (a model that writes NaN writes it again).
         self._invalidate_next: list[int] = []
@@ -437,13 +436,13 @@ class KVGuardScheduler:
         }
 
     def _report_state(self) -> None:
-        """The state gauges once a second, and at once when the last live request ended (so a
-        server gone quiet shows its tables emptied)."""
+        """The state gauges once a second while requests run, and at every step while none do
+        (so a server gone quiet shows its tables as they are: an empty step after the last
+        request ended can still change one, e.g. a drill fault injected into an idle page)."""
         now = time.monotonic()
-        idle = self.ledger.live_requests() == 0
-        if now - self._state_reported_at < 1.0 and (not idle or self._reported_idle):
+        if now - self._state_reported_at < 1.0 and self.ledger.live_requests() != 0:
             return
-        self._state_reported_at, self._reported_idle = now, idle
+        self._state_reported_at = now
         for table, n in self.footprint().items():
             self.counters.set("state_entries", n, label=table)
         self.counters.set("state_bytes", self.ledger.nbytes(), label="scheduler")

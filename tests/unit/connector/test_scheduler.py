@@ -215,3 +215,31 @@ def test_the_split_views_plan_every_step_as_a_view_per_request_would() -> None:
     for seed in range(12):
         for budget in (0, None):
             _run_both(_scenario(seed), budget)
+
+
+def test_state_gauges_follow_every_idle_step_and_once_a_second_under_load(tmp_path: Any) -> None:
+    """An empty step after the last request ended can still change a table (a drill fault
+    injected into an idle page): the gauges an operator reads at idle must show it."""
+    from vllm_kvguard.config import load_config
+    from vllm_kvguard.connector.scheduler import KVGuardScheduler
+    from vllm_kvguard.logs import GuardLog
+
+    config = load_config({"VLLM_KVGUARD": "1", "VLLM_KVGUARD_LOG_FILE": str(tmp_path / "g.jsonl")})
+    s = KVGuardScheduler(
+        config, GuardLog(config, role="scheduler", rank=0), num_blocks=64, block_size=BS,
+        bytes_per_block=1024, num_layers=2, model_name="unit", details={},
+    )  # fmt: skip
+
+    def entries() -> dict[str, int] | None:
+        delta = s.stats()
+        return None if delta is None else delta.get("labelled_gauges", {}).get("state_entries")
+
+    assert entries() is not None and s.footprint()["stop_messages"] == 0
+    s.stop_messages["late"] = "changed in an idle step"
+    idle = entries()
+    assert idle is not None and idle["stop_messages"] == 1
+    # Under load the gauges are set at most once a second (no per-step table walk).
+    s.ledger.live_requests = lambda: 3  # type: ignore[method-assign]
+    s.stop_messages["busy"] = "changed while requests run"
+    busy = entries()
+    assert busy is None or "stop_messages" not in busy
