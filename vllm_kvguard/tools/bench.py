@@ -112,6 +112,13 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(real) if real else None
 
 
+def _spread(values: list[float | None]) -> float | None:
+    real = [v for v in values if v is not None and v == v]
+    if len(real) < 2 or not statistics.median(real):
+        return None
+    return (max(real) - min(real)) / statistics.median(real)
+
+
 def summarize(
     runs: dict[str, list[dict[str, Any]]], *, model: str, repeats: int, concurrency: int = CONCURRENCY
 ) -> dict[str, Any]:
@@ -127,6 +134,9 @@ def summarize(
         c: {k: ratio(m.get(k), base.get(k)) for k in ("tokens_per_s", "ttft_s", "itl_s")}
         for c, m in medians.items()
     }
+    # Run-to-run spread of throughput: (max - min) / median over the repeats. Guard-off's own
+    # spread is the machine's noise: a ratio to guard-off closer to 1 than that says nothing.
+    spread = {c: _spread([r["tokens_per_s"] for r in rs]) for c, rs in runs.items()}
     return {
         "model": model,
         "repeats": repeats,
@@ -135,6 +145,7 @@ def summarize(
         "engine_args": engine_args(concurrency),
         "medians": medians,
         "ratio_to_off": ratios,
+        "tokens_per_s_spread": spread,
         "runs": runs,
     }
 
@@ -144,13 +155,15 @@ def render(report: dict[str, Any]) -> str:
         return "-" if value is None else f"{value * scale:.{digits}f}{unit}"
 
     lines = [
-        "config     tokens/s  ratio   TTFT ms  ratio   ITL ms  ratio   guard share of step",
-        "---------  --------  -----   -------  -----   ------  -----   -------------------",
+        "config     tokens/s  spread  ratio   TTFT ms  ratio   ITL ms  ratio   guard share of step",
+        "---------  --------  ------  -----   -------  -----   ------  -----   -------------------",
     ]
+    spread = report.get("tokens_per_s_spread", {})
     for config, m in report["medians"].items():
         r = report["ratio_to_off"][config]
         lines.append(
-            f"{config:9s}  {fmt(m['tokens_per_s']):>8s}  {fmt(r['tokens_per_s'], digits=3):>5s}"
+            f"{config:9s}  {fmt(m['tokens_per_s']):>8s}  {fmt(spread.get(config), ' %', 100.0, 0):>6s}"
+            f"  {fmt(r['tokens_per_s'], digits=3):>5s}"
             f"   {fmt(m['ttft_s'], scale=1e3):>7s}  {fmt(r['ttft_s'], digits=3):>5s}"
             f"   {fmt(m['itl_s'], scale=1e3, digits=2):>6s}  {fmt(r['itl_s'], digits=3):>5s}"
             f"   {fmt(m['guard_share'], ' %', 100.0, 2):>19s}"
@@ -158,6 +171,7 @@ def render(report: dict[str, Any]) -> str:
     running = report.get("concurrency", CONCURRENCY)
     lines.append(
         f"(medians of {report['repeats']} interleaved runs, up to {running} requests at once; "
-        "ratios are to guard off)"
+        "ratios are to guard off; spread: (max - min) / median of tokens/s over the runs, "
+        "guard off's is the machine's own noise)"
     )
     return "\n".join(lines)

@@ -75,8 +75,13 @@ def test_bench_summary_medians_and_ratios() -> None:
     assert report["ratio_to_off"]["default"]["tokens_per_s"] == 1.01
     assert report["medians"]["default"]["guard_share"] == 0.006
     assert report["medians"]["off"]["guard_share"] is None
+    # Spread: (max - min) / median of tokens/s; guard-off's is the machine's noise.
+    assert report["tokens_per_s_spread"] == {"off": 0.2, "default": 101 / 101}
     text = render(report)
     assert "default" in text and "1.010" in text and "0.60 %" in text
+    assert "   20 %" in text and "  100 %" in text
+    single = summarize({"off": [run(100, 0.2, 0.01, None)]}, model="m", repeats=1)
+    assert single["tokens_per_s_spread"] == {"off": None}
 
 
 def test_an_output_that_differs_without_failing_or_flag_fails_the_drill() -> None:
