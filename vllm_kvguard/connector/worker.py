@@ -699,11 +699,17 @@ class KVGuardWorker:
         if len(plan.written_blocks):
             blocks = np.asarray(plan.written_blocks, dtype=np.int64)
             slots = np.asarray(plan.written_slots, dtype=np.int64)
-            flags = np.zeros((len(blocks), layers), dtype=bool) if test and seal else None
-            same = self.rows.record(blocks, slots, flags)
+            # Only the rows of pages being sealed are tested for NaN/Inf (the last row of each
+            # page a decode fills; every row of a page prefilled whole): the others' pages are not
+            # sealed this step, and their rows are tested in the fill check that seals them.
+            flags = at = None
+            if test and seal:
+                at = np.flatnonzero(np.isin(blocks, np.asarray(seal, dtype=np.int64)))
+                flags = np.zeros((len(at), layers), dtype=bool)
+            same = self.rows.record(blocks, slots, flags, at)
             self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
-            if flags is not None:
-                tested.append((blocks, slots, flags))
+            if flags is not None and at is not None and len(at):
+                tested.append((blocks[at], slots[at], flags))
             if same.any() and meta.lost_write_rows.any():
                 checked = same & meta.lost_write_rows
                 self._lost_writes(meta, blocks[checked], slots[checked])

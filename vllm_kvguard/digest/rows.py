@@ -207,19 +207,26 @@ class RowDigests:
     def nbytes(self) -> int:
         return self.rows.nbytes + self.previous.nbytes
 
-    def hash(self, blocks: np.ndarray, slots: np.ndarray, nonfinite: np.ndarray | None = None) -> np.ndarray:
+    def hash(
+        self,
+        blocks: np.ndarray,
+        slots: np.ndarray,
+        nonfinite: np.ndarray | None = None,
+        tested: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Digests of the rows (blocks[i], slots[i]) as they are now, uint64 (never 0).
 
         ``nonfinite``: a (rows, layers) bool array to fill with which rows hold NaN or Inf in
         which layer, tested on the rows gathered for hashing (no other pass over the pages);
-        left as it is where the rows cannot be tested here (off the host, other dtypes)."""
+        left as it is where the rows cannot be tested here (off the host, other dtypes).
+        ``tested``: only these rows (indices) are tested; ``nonfinite`` has one line each."""
         n = len(blocks)
         if not n:
             return np.zeros(0, dtype=np.uint64)
         if self.host is not None:
             raw = self.host.gather(blocks, np.asarray(slots, dtype=np.int64))
             if nonfinite is not None:
-                self.host.nonfinite(raw, nonfinite)
+                self.host.nonfinite(raw if tested is None else raw[tested], nonfinite)
         else:
             b = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
             s = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
@@ -240,12 +247,16 @@ class RowDigests:
         return out
 
     def record(
-        self, blocks: np.ndarray, slots: np.ndarray, nonfinite: np.ndarray | None = None
+        self,
+        blocks: np.ndarray,
+        slots: np.ndarray,
+        nonfinite: np.ndarray | None = None,
+        tested: np.ndarray | None = None,
     ) -> np.ndarray:
         """Hash rows just written and keep their digests; returns which of them equal what the
-        block's previous owner had at that slot (a write that did not land). ``nonfinite``: as
-        in :meth:`hash`."""
-        digests = self.hash(blocks, slots, nonfinite)
+        block's previous owner had at that slot (a write that did not land). ``nonfinite``,
+        ``tested``: as in :meth:`hash`."""
+        digests = self.hash(blocks, slots, nonfinite, tested)
         previous = self.previous[blocks, slots]
         self.rows[blocks, slots] = digests
         return (digests == previous) & (previous != 0)
