@@ -84,6 +84,33 @@ def sample(server: Server, t0: float) -> dict[str, Any]:
     }
 
 
+def guard_failures(log: Path) -> list[dict[str, Any]]:
+    """Each request the guard failed or flagged, with the findings about its blocks: what an
+    errored response in the report is explained by (or, if it is not here, is not)."""
+    if not log.exists():
+        return []
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    findings = [e for e in lines if str(e.get("event", "")).startswith("kv_block_") and "block_id" in e]
+    out = []
+    for e in lines:
+        if e.get("event") != "kv_request_affected" or e.get("outcome") == "healed":
+            continue
+        blocks = set(e.get("block_ids") or [e.get("block_id")])
+        out.append(
+            {
+                "request_id": e.get("request_id"),
+                "outcome": e.get("outcome"),
+                "blocks": sorted(blocks),
+                "findings": [
+                    {k: f.get(k) for k in ("event", "block_id", "step", "trigger", "action", "request_ids",
+                                           "last_good_step", "shape", "what", "reason") if k in f}
+                    for f in findings if f["block_id"] in blocks
+                ],
+            }
+        )  # fmt: skip
+    return out
+
+
 def drift(samples: list[dict[str, Any]], key: str) -> float:
     """Growth of ``key`` from the first quarter's mean to the last quarter's (after warm-up)."""
     values = [s[key] for s in samples if key in s]
@@ -184,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             "first": samples[1] if len(samples) > 1 else samples[0],
             "last": final,
             "guard": dict(guard_events(server.log)),
+            "guard_failures": guard_failures(server.log),
         }
         with (work / "soak_samples.csv").open("w", newline="") as f:
             keys = sorted({k for s in [*samples, final] for k in s})

@@ -266,10 +266,11 @@ class KVGuardScheduler:
         self.pending_failures: dict[str, str] = {}
         self.counters = GuardCounters()
         self.worker_errors_seen = 0
-        # The last steps' request views and decoding request ids, kept (not copied) so that a
-        # detection, which comes back with that step's or the next step's output, can name
-        # its readers and count their tokens; nothing is derived from them per step.
-        self._recent: dict[int, tuple[list[ScheduledRequest], list[str]]] = {}
+        # The last steps' request views, decoding request ids and verified hits (block -> the
+        # requests that hit it), kept (not copied) so that a detection, which comes back with
+        # that step's or the next step's output, can name its readers and count their tokens;
+        # nothing is derived from them per step.
+        self._recent: dict[int, tuple[list[ScheduledRequest], list[str], dict[int, list[str]]]] = {}
         self.exporter = (
             StandaloneExporter(config.metrics_port, model_name, engine=log.engine)
             if config.metrics_port
@@ -309,7 +310,7 @@ class KVGuardScheduler:
         now = time.monotonic()
         plan = self.ledger.plan(requests, self.read_budget, now, so.preempted_req_ids or (), decodes)
         meta = KVGuardMetadata(plan, read_trigger=str(self.config.verify) if plan.read_verify else "")
-        self._recent[plan.step] = (requests, decodes.req_ids if decodes is not None else [])
+        self._recent[plan.step] = (requests, decodes.req_ids if decodes is not None else [], plan.readers)
         self._recent.pop(plan.step - 3, None)
         self.counters.add("sealed", len(plan.seal))
         if plan.sealed_pages or plan.hit_pages or plan.given_pages:
@@ -614,18 +615,25 @@ class KVGuardScheduler:
             }
         # Without the snapshot (the update_from_output patch is missing): the step's views.
         out: dict[str, Holder | None] = {}
-        views, decoding = self._recent.get(step, ([], []))
+        views, decoding, _ = self._recent.get(step, ([], [], {}))
         for req_id in [r.req_id for r in views] + decoding:
             table = self._block_table(req_id)
             if table is not None and block in table:
                 out[req_id] = None
         return out
 
+    def _later_hitters(self, block: int, step: int) -> set[str]:
+        """Requests that hit ``block`` in a step planned after ``step``. With async scheduling
+        (vLLM's default on GPUs) the next step is scheduled before this step's output comes
+        back, so such a request already holds the page in the computed part of its table; its
+        hit is verified before the forward that reads it, so it never read the page unverified."""
+        return {r for s, (_, _, readers) in self._recent.items() if s > step for r in readers.get(block, ())}
+
     def _handle_corruption(self, block: int, detections: list[Detection]) -> None:
         first = detections[0]
         step = min(d.step for d in detections)
         # Requests whose hit of the page was verified before the forward that read it.
-        hitters = {r for d in detections for r in d.readers}
+        hitters = {r for d in detections for r in d.readers} | self._later_hitters(block, step)
         # A page still being written (its rows, digest/rows.py): its writer holds it past the
         # tokens it has computed.
         unfilled = any(d.kind == "partial_mismatch" for d in detections)
@@ -856,7 +864,7 @@ class KVGuardScheduler:
         hits = next(
             (
                 r.num_computed
-                for views, _ in reversed(self._recent.values())
+                for views, _, _ in reversed(self._recent.values())
                 for r in views
                 if r.req_id == req_id and r.fresh and r.num_computed >= self.block_size
             ),
