@@ -11,7 +11,6 @@ requests' text.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -82,4 +81,3 @@ def test_control_log_mode_the_fault_changes_both_texts(
     assert outs["B"].outputs[0].text != clean[0] and outs["C"].outputs[0].text != clean[1]
     assert all(honest(outs[k], c) for k, c in zip("BC", clean, strict=True))
     assert affected_once(log) == {"B": "suspect", "C": "suspect"}
-    assert os.environ.get("VLLM_KVGUARD") is None
