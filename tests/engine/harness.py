@@ -140,10 +140,10 @@ def affected_once(log: Path) -> dict[str, str]:
     return dict(zip(ids, [line["outcome"] for line in lines], strict=True))
 
 
-def greedy(max_tokens: int) -> Any:
+def greedy(max_tokens: int, *, ignore_eos: bool = False) -> Any:
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
 def core_scheduler(llm: Any) -> Any:

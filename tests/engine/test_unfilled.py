@@ -62,12 +62,10 @@ def _laundering(llm: Any) -> dict[str, Any]:
     """V's unfilled last page is corrupted right after its prompt is written; V decodes on and
     fills it. W's prompt then shares that page's tokens (V's prompt and what V generated), so
     W gets a prefix hit on it. The clean texts: V and W with an empty prefix cache."""
-    from vllm import SamplingParams
-
     # V must write past its page's end whatever the fault does to its tokens: a random model's
     # EOS comes early or late depending on the CPU's kernels (on one machine the corrupted V
     # stopped one token short of filling the page).
-    fill = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    fill = greedy(40, ignore_eos=True)
     clean_v = llm.generate([PROMPT], fill, use_tqdm=False)[0].outputs[0].text
     llm.reset_prefix_cache()
     core, scheduler = llm.llm_engine, core_scheduler(llm)

@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -62,6 +62,14 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+
+class RecentStep(NamedTuple):
+    """What a detection coming back with a later output needs of the step it was planned in."""
+
+    views: list[ScheduledRequest]  # the requests that changed (views)
+    decoding: list[str]  # the requests that only decoded (their ids)
+    readers: dict[int, list[str]]  # verified prefix-cache hits: block -> the requests that hit it
 
 
 @dataclass(frozen=True)
@@ -270,7 +278,7 @@ class KVGuardScheduler:
         # requests that hit it), kept (not copied) so that a detection, which comes back with
         # that step's or the next step's output, can name its readers and count their tokens;
         # nothing is derived from them per step.
-        self._recent: dict[int, tuple[list[ScheduledRequest], list[str], dict[int, list[str]]]] = {}
+        self._recent: dict[int, RecentStep] = {}
         self.exporter = (
             StandaloneExporter(config.metrics_port, model_name, engine=log.engine)
             if config.metrics_port
@@ -310,7 +318,8 @@ class KVGuardScheduler:
         now = time.monotonic()
         plan = self.ledger.plan(requests, self.read_budget, now, so.preempted_req_ids or (), decodes)
         meta = KVGuardMetadata(plan, read_trigger=str(self.config.verify) if plan.read_verify else "")
-        self._recent[plan.step] = (requests, decodes.req_ids if decodes is not None else [], plan.readers)
+        decoding = decodes.req_ids if decodes is not None else []
+        self._recent[plan.step] = RecentStep(requests, decoding, plan.readers)
         self._recent.pop(plan.step - 3, None)
         self.counters.add("sealed", len(plan.seal))
         if plan.sealed_pages or plan.hit_pages or plan.given_pages:
@@ -615,8 +624,8 @@ class KVGuardScheduler:
             }
         # Without the snapshot (the update_from_output patch is missing): the step's views.
         out: dict[str, Holder | None] = {}
-        views, decoding, _ = self._recent.get(step, ([], [], {}))
-        for req_id in [r.req_id for r in views] + decoding:
+        recent = self._recent.get(step, RecentStep([], [], {}))
+        for req_id in [r.req_id for r in recent.views] + recent.decoding:
             table = self._block_table(req_id)
             if table is not None and block in table:
                 out[req_id] = None
@@ -627,7 +636,7 @@ class KVGuardScheduler:
         (vLLM's default on GPUs) the next step is scheduled before this step's output comes
         back, so such a request already holds the page in the computed part of its table; its
         hit is verified before the forward that reads it, so it never read the page unverified."""
-        return {r for s, (_, _, readers) in self._recent.items() if s > step for r in readers.get(block, ())}
+        return {r for s, recent in self._recent.items() if s > step for r in recent.readers.get(block, ())}
 
     def _handle_corruption(self, block: int, detections: list[Detection]) -> None:
         first = detections[0]
@@ -864,8 +873,8 @@ class KVGuardScheduler:
         hits = next(
             (
                 r.num_computed
-                for views, _, _ in reversed(self._recent.values())
-                for r in views
+                for recent in reversed(self._recent.values())
+                for r in recent.views
                 if r.req_id == req_id and r.fresh and r.num_computed >= self.block_size
             ),
             0,
