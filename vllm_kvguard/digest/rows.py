@@ -23,7 +23,9 @@ where the rows live with torch (no page leaves the device); its numpy reference 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -89,14 +91,83 @@ class PackedRows(RowAccess):
 _LANES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+def _grid(offsets: np.ndarray) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(shape, strides) such that the ascending ``offsets`` are ``offsets[0] + sum(i_k x
+    strides_k)`` over ``shape`` in C order, or None where they are no such grid."""
+    shape: list[int] = []
+    strides: list[int] = []
+    cur = offsets
+    while len(cur) > 1:
+        step = int(cur[1] - cur[0])
+        off = np.flatnonzero(np.diff(cur) != step)
+        run = int(off[0]) + 1 if len(off) else len(cur)
+        if len(cur) % run:
+            return None
+        grid = cur.reshape(-1, run)
+        if not (grid - grid[:, :1] == np.arange(run) * step).all():
+            return None
+        shape.insert(0, run)
+        strides.insert(0, step)
+        cur = grid[:, 0]
+    return tuple(shape) or (1,), tuple(strides) or (1,)
+
+
+class _Part(NamedTuple):
+    """Elements of a row that sit on one strided grid: columns [start, stop) of the row are the
+    page's elements ``base + sum(i_k x strides_k) + slot x slot_stride`` over ``shape``."""
+
+    start: int
+    stop: int
+    base: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    slot_stride: int
+
+
+def _part_rows(view: np.ndarray, part: _Part, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """(rows, layers, part width): the part's elements of rows (blocks[i], slots[i]) through its
+    view (layers, blocks, *grid, slots)."""
+    index: tuple[Any, ...] = (slice(None), blocks, *(slice(None),) * len(part.shape), slots)
+    return view[index].reshape(len(blocks), view.shape[0], -1)
+
+
+def strided_parts(elements: np.ndarray) -> tuple[np.ndarray, list[_Part]] | None:
+    """Split the element map (slots x elements: the flat elements of a page each slot writes)
+    into strided grids: returns the map with its columns reordered part after part, and the
+    parts; None where a slot is not the first slot's elements shifted by a fixed step per
+    element (then the rows are read through the map itself)."""
+    if len(elements) < 2:
+        return None
+    first = elements[0]
+    step = elements[1] - first
+    slots = np.arange(len(elements), dtype=np.int64)[:, None]
+    if not (elements == first + slots * step).all():
+        return None
+    columns: list[np.ndarray] = []
+    parts: list[_Part] = []
+    start = 0
+    for slot_stride in dict.fromkeys(step[np.argsort(first, kind="stable")].tolist()):
+        cols = np.flatnonzero(step == slot_stride)
+        cols = cols[np.argsort(first[cols], kind="stable")]
+        grid = _grid(first[cols])
+        if grid is None:
+            return None
+        columns.append(cols)
+        parts.append(_Part(start, start + len(cols), int(first[cols[0]]), *grid, int(slot_stride)))
+        start += len(cols)
+    return elements[:, np.concatenate(columns)], parts
+
+
 class HostRows:
-    """Every layer's rows (block, slot) of host pages, gathered with numpy: one ``take`` per
-    layer into one (rows, layers x elements) buffer, layers side by side in order, through the
-    probed element map (``elements[s]``: the flat elements of a contiguous page that slot ``s``
-    writes). The rows of vLLM's CPU layouts are scattered over the page (K is packed per
-    instruction set), so a row is one element from each of many cache lines; numpy's ``take``
-    with precomputed linear indices moves them 3-5x faster than torch's advanced indexing and
-    needs no concatenation (docs/performance.md)."""
+    """Every layer's rows (block, slot) of host pages, gathered with numpy into one (rows,
+    layers x elements) buffer, layers side by side in order. The rows of vLLM's CPU layouts are
+    scattered over the page (K is packed per instruction set: one element of a row in each of
+    many cache lines), so how they are read decides the cost: through strided views of the pool
+    fitted from the probed element map (:func:`strided_parts`: numpy indexes (blocks, slots)
+    across each grid in C), 1.4x (16 rows) to 4x (hundreds) faster than a ``take`` through the
+    map's precomputed linear indices, which stays the fallback for maps with no such grid
+    (docs/performance.md). ``elements`` (after construction): the map in this class's row
+    order, which every other reader of the rows must use."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], elements: np.ndarray) -> None:
         first = tensors[0]
@@ -109,20 +180,107 @@ class HostRows:
             lanes = t.view(getattr(torch, f"int{8 * t.element_size()}"))
             self.flat.append(lanes.reshape(-1).numpy().view(_LANES[t.element_size()]))
         self.page_elements = first[0].numel()
+        self.num_blocks = first.shape[0]
         self.dtype = first.dtype
-        self.elements = np.asarray(elements, dtype=np.int64)
+        elements = np.asarray(elements, dtype=np.int64)
+        fitted = strided_parts(elements)
+        self.parts: list[_Part] = []
+        # Per group of layers (all of them where they lie evenly spaced in one buffer, as vLLM
+        # allocates them; else one each), per part: a view (layers, blocks, *grid, slots).
+        self.views: list[tuple[int, int, list[np.ndarray]]] = []
+        if fitted is not None:
+            elements, self.parts = fitted
+            size = first.element_size()
+            ptrs = [f.ctypes.data for f in self.flat]
+            step = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
+            one_buffer = len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+            even = step > 0 and step % size == 0 and all(b - a == step for a, b in itertools.pairwise(ptrs))
+            groups = [(0, len(self.flat))] if one_buffer and even else [(i, 1) for i in range(len(self.flat))]
+            for start, count in groups:
+                self.views.append(
+                    (
+                        start,
+                        count,
+                        [
+                            np.lib.stride_tricks.as_strided(
+                                self.flat[start][p.base :],
+                                shape=(count, self.num_blocks, *p.shape, len(elements)),
+                                strides=tuple(
+                                    size * x
+                                    for x in (step // size, self.page_elements, *p.strides, p.slot_stride)
+                                ),
+                                writeable=False,
+                            )
+                            for p in self.parts
+                        ],
+                    )
+                )
+        self.elements = elements
         self.width = self.elements.shape[1]
         self.row_bytes = len(tensors) * self.width * first.element_size()
+        self._buffer = np.empty((0, len(self.flat), self.width), dtype=self.flat[0].dtype)
 
-    def gather(self, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """(rows, row_bytes) uint8: each row's bytes, layer by layer."""
-        index = self.elements[slots]
-        index += (np.asarray(blocks, dtype=np.int64) * self.page_elements)[:, None]
-        out = np.empty((len(index), len(self.flat), self.width), dtype=self.flat[0].dtype)
-        for layer, flat in enumerate(self.flat):
-            # Every index is inside the pool by construction: "clip" skips the bounds error path.
-            np.take(flat, index, out=out[:, layer, :], mode="clip")
-        return out.reshape(len(index), -1).view(np.uint8)
+    @property
+    def strided(self) -> bool:
+        return bool(self.parts)
+
+    def gather(self, blocks: np.ndarray, slots: np.ndarray, *, reuse: bool = False) -> np.ndarray:
+        """(rows, row_bytes) uint8: each row's bytes, layer by layer. ``reuse``: into this
+        object's scratch buffer (valid until the next such call) instead of a new array."""
+        n = len(blocks)
+        if reuse:
+            if len(self._buffer) < n:
+                self._buffer = np.empty((n, len(self.flat), self.width), dtype=self.flat[0].dtype)
+            out = self._buffer[:n]
+        else:
+            out = np.empty((n, len(self.flat), self.width), dtype=self.flat[0].dtype)
+        blocks = np.asarray(blocks, dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.int64)
+        if self.parts:
+            for start, count, views in self.views:
+                for part, view in zip(self.parts, views, strict=True):
+                    out[:, start : start + count, part.start : part.stop] = _part_rows(
+                        view, part, blocks, slots
+                    )
+        else:
+            index = self.elements[slots]
+            index += (blocks * self.page_elements)[:, None]
+            for layer, flat in enumerate(self.flat):
+                # Every index is inside the pool by construction: "clip" skips the bounds error path.
+                np.take(flat, index, out=out[:, layer, :], mode="clip")
+        return out.reshape(n, -1).view(np.uint8)
+
+    def landed(self, blocks: np.ndarray, slots: np.ndarray, written: np.ndarray) -> np.ndarray:
+        """Which rows (blocks[i], slots[i]) hold in the page what ``written[i]`` says was written
+        there (rows x row_bytes, this class's row order), told by the first contiguous run of
+        each part that has runs, in every layer (vLLM's CPU layout: the first head's V, 2 cache
+        lines a layer, where reading a row's transposed K costs one line per element); by every
+        element where no part has runs. A write that did not land (or landed in another slot)
+        leaves the whole of that layer's row as it was, which any run of it shows; a change to
+        other elements after the write is what the fill check and read verification find."""
+        n = len(blocks)
+        blocks = np.asarray(blocks, dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.int64)
+        lanes = np.ascontiguousarray(written).view(self.flat[0].dtype).reshape(n, len(self.flat), self.width)
+        runs = [(i, p) for i, p in enumerate(self.parts) if p.strides[-1] == 1 and p.shape[-1] > 1]
+        if not runs:
+            now = self.gather(blocks, slots).view(self.flat[0].dtype).reshape(lanes.shape)
+            return np.asarray((now == lanes).all(axis=(1, 2)))
+        ok = np.ones(n, dtype=bool)
+        for start, count, views in self.views:
+            for i, part in runs:
+                # The part's first run, every layer: every grid index but the last at 0.
+                index: tuple[Any, ...] = (
+                    slice(None),
+                    blocks,
+                    *(0,) * (len(part.shape) - 1),
+                    slice(None),
+                    slots,
+                )
+                got = views[i][index]  # (rows, layers, run)
+                run = part.shape[-1]
+                ok &= (got == lanes[:, start : start + count, part.start : part.start + run]).all(axis=(1, 2))
+        return ok
 
     def nonfinite(self, rows: np.ndarray, out: np.ndarray) -> None:
         """Fill ``out`` (rows, layers) with which gathered ``rows`` (:meth:`gather`'s) hold NaN or
@@ -219,22 +377,20 @@ class RowDigests:
         ``nonfinite``: a (rows, layers) bool array to fill with which rows hold NaN or Inf in
         which layer, tested on the rows gathered for hashing (no other pass over the pages);
         left as it is where the rows cannot be tested here (off the host, other dtypes).
-        ``tested``: only these rows (indices) are tested; ``nonfinite`` has one line each."""
+        ``tested``: only these rows (ascending indices) are tested; ``nonfinite`` has one line
+        each."""
         n = len(blocks)
         if not n:
             return np.zeros(0, dtype=np.uint64)
         if self.host is not None:
-            raw = self.host.gather(blocks, np.asarray(slots, dtype=np.int64))
-            if nonfinite is not None:
-                self.host.nonfinite(raw if tested is None else raw[tested], nonfinite)
-        else:
-            b = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
-            s = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
-            # One gather per layer of just these rows, layers side by side: (rows, bytes).
-            gathered = torch.cat([g(b, s).contiguous().view(torch.uint8) for g in self.gathers], dim=1)
-            if not self.on_host:
-                return row_digests_torch(gathered.view(torch.int64), s).cpu().numpy().view(np.uint64)
-            raw = gathered.numpy()
+            return self._hash_host(self.host, blocks, np.asarray(slots, dtype=np.int64), nonfinite, tested)
+        b = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
+        s = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
+        # One gather per layer of just these rows, layers side by side: (rows, bytes).
+        gathered = torch.cat([g(b, s).contiguous().view(torch.uint8) for g in self.gathers], dim=1)
+        if not self.on_host:
+            return row_digests_torch(gathered.view(torch.int64), s).cpu().numpy().view(np.uint64)
+        raw = gathered.numpy()
         size = raw.shape[1]
         view = raw.reshape(-1).data.cast("B")
         h = xxhash.xxh3_64_intdigest
@@ -246,17 +402,83 @@ class RowDigests:
         out[out == 0] = 1
         return out
 
+    # Rows gathered and hashed at a time on the host: the scratch rows stay in cache between the
+    # gather and the hash (a prefill's thousands of rows at once were 5-10x slower per row).
+    CHUNK = 256
+
+    def _hash_host(
+        self,
+        host: HostRows,
+        blocks: np.ndarray,
+        slots: np.ndarray,
+        nonfinite: np.ndarray | None,
+        tested: np.ndarray | None,
+    ) -> np.ndarray:
+        n = len(blocks)
+        out = np.empty(n, dtype=np.uint64)
+        h = xxhash.xxh3_64_intdigest
+        size = host.row_bytes
+        for lo in range(0, n, self.CHUNK):
+            hi = min(n, lo + self.CHUNK)
+            raw = host.gather(blocks[lo:hi], slots[lo:hi], reuse=True)
+            if nonfinite is not None:
+                if tested is None:
+                    host.nonfinite(raw, nonfinite[lo:hi])
+                else:
+                    a, b = np.searchsorted(tested, (lo, hi))
+                    if b > a:
+                        host.nonfinite(raw[tested[a:b] - lo], nonfinite[a:b])
+            view = raw.reshape(-1).data.cast("B")
+            out[lo:hi] = np.fromiter(
+                (h(view[i * size : (i + 1) * size], s_) for i, s_ in enumerate(slots[lo:hi].tolist())),
+                dtype=np.uint64,
+                count=hi - lo,
+            )
+        out[out == 0] = 1
+        return out
+
+    def _hash_written(
+        self, host: HostRows, blocks: np.ndarray, slots: np.ndarray, written: np.ndarray
+    ) -> np.ndarray:
+        landed = host.landed(blocks, slots, written)
+        size = host.row_bytes
+        view = np.ascontiguousarray(written).reshape(-1).data.cast("B")
+        h = xxhash.xxh3_64_intdigest
+        digests = np.fromiter(
+            (h(view[i * size : (i + 1) * size], s_) for i, s_ in enumerate(slots.tolist())),
+            dtype=np.uint64,
+            count=len(blocks),
+        )
+        digests[digests == 0] = 1
+        missed = np.flatnonzero(~landed)
+        if len(missed):
+            # Not as written: digest what the page holds (as rows read back from it always were).
+            digests[missed] = self.hash(blocks[missed], slots[missed])
+        return digests
+
     def record(
         self,
         blocks: np.ndarray,
         slots: np.ndarray,
         nonfinite: np.ndarray | None = None,
         tested: np.ndarray | None = None,
+        written: np.ndarray | None = None,
     ) -> np.ndarray:
         """Hash rows just written and keep their digests; returns which of them equal what the
         block's previous owner had at that slot (a write that did not land). ``nonfinite``,
-        ``tested``: as in :meth:`hash`."""
-        digests = self.hash(blocks, slots, nonfinite, tested)
+        ``tested``: as in :meth:`hash`. ``written`` (host rows only, without ``nonfinite``): the
+        bytes vLLM was asked to write to each row (rows x row_bytes, :class:`HostRows`' order); a
+        row's digest is taken from them where the page shows they landed
+        (:meth:`HostRows.landed`), instead of gathering the row back out of its page, and from
+        the page where not."""
+        if written is not None and self.host is not None and len(blocks):
+            if nonfinite is not None:
+                raise ValueError("rows recorded from the bytes written are not tested for NaN/Inf here")
+            b = np.asarray(blocks, dtype=np.int64)
+            s_ = np.asarray(slots, dtype=np.int64)
+            digests = self._hash_written(self.host, b, s_, written)
+        else:
+            digests = self.hash(blocks, slots, nonfinite, tested)
         previous = self.previous[blocks, slots]
         self.rows[blocks, slots] = digests
         return (digests == previous) & (previous != 0)

@@ -25,6 +25,8 @@ CONFIGS: dict[str, dict[str, str]] = {
     "off": {"VLLM_KVGUARD": "0"},
     "default": {"VLLM_KVGUARD": "1"},
     "paranoid": {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_VERIFY": "paranoid"},
+    # The cheapest verify mode (prefix-cache hits only; seals, rows and identity as in default).
+    "reuse": {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_VERIFY": "reuse"},
     # The default without row digests (full pages only, as before issue 13): what rows cost.
     "rows-off": {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_ROWS": "0"},
 }

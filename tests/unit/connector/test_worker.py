@@ -220,3 +220,82 @@ def test_a_page_with_rows_never_recorded_is_tested_at_the_seal() -> None:
     _, out = _step(worker, _written(2, 4, [15], [4]))
     assert [(d.block_id, d.kind) for d in out.detections] == [(4, "nonfinite")]  # type: ignore[attr-defined]
     assert torch.isfinite(kv[4]).all()
+
+
+def _write(worker: KVGuardWorker, kv: torch.Tensor, block: int, slots: list[int], seed: int) -> None:
+    """What a forward does to the KV cache: vLLM's own CPU write op, as the attention calls it
+    (through the guard's wrapper, which keeps the rows it is handed)."""
+    from vllm import _custom_ops as ops
+
+    from vllm_kvguard.connector.worker import _cpu_isa
+
+    gen = torch.Generator().manual_seed(seed)
+    key = torch.randn((len(slots), 1, 32), generator=gen).to(torch.bfloat16)
+    value = torch.randn((len(slots), 1, 32), generator=gen).to(torch.bfloat16)
+    key_cache, value_cache = kv.view(BLOCKS, 1, 32, 32).chunk(2, dim=2)
+    mapping = torch.tensor([block * 16 + s for s in slots], dtype=torch.int64)
+    isa = _cpu_isa("", kv.dtype, 16, 32)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, mapping, isa)
+
+
+def _forward_step(worker: KVGuardWorker, kv: torch.Tensor, meta: KVGuardMetadata, seed: int) -> object:
+    plan = meta.plan
+    worker.bind_connector_metadata(meta)
+    _write(worker, kv, int(plan.written_blocks[0]), plan.written_slots.tolist(), seed)
+    worker.wait_for_layer_load("model.layers.0.self_attn.attn")
+    worker.wait_for_save()
+    out = worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    return out
+
+
+def test_rows_are_digested_as_written_and_equal_the_rows_read_back() -> None:
+    worker, kv = _rows_worker()
+    assert worker.written is not None and worker.rows is not None
+    _forward_step(worker, kv, _written(1, 2, [0, 1, 2], []), seed=1)
+    assert worker.rows_as_written == 3
+    # The same digests as the rows gathered back out of the page.
+    assert (worker.rows.rows[2, :3] == worker.rows.hash(np.array([2, 2, 2]), np.array([0, 1, 2]))).all()
+    # The row of a page being sealed is read from its page (the NaN/Inf test judges the page).
+    _forward_step(worker, kv, _written(2, 3, list(range(16)), [3]), seed=2)
+    assert worker.rows_as_written == 3 and worker.table is not None and worker.table.sealed[3]
+
+
+def test_a_write_that_did_not_land_under_the_wrapper_is_a_lost_write() -> None:
+    from vllm import _custom_ops as ops
+
+    worker, kv = _rows_worker()
+    assert worker.rows is not None
+    _forward_step(worker, kv, _written(1, 2, [0, 1], []), seed=1)
+    worker.rows.roll([2])  # block 2 handed to a new owner
+    wrapper = ops.cpu_attn_reshape_and_cache
+    original = wrapper._kvguard_original  # type: ignore[attr-defined]
+    # The op beneath the guard's wrapper writes nothing (the guard sees the rows and slots).
+    wrapper._kvguard_original = lambda *a, **k: None  # type: ignore[attr-defined]
+    try:
+        meta = _written(2, 2, [0, 1], [])
+        meta.lost_write_rows = np.ones(2, dtype=bool)
+        out = _forward_step(worker, kv, meta, seed=2)
+    finally:
+        wrapper._kvguard_original = original  # type: ignore[attr-defined]
+    assert worker.rows_as_written == 4  # both steps' rows went the written path...
+    [d] = out.detections  # type: ignore[attr-defined]
+    assert (d.block_id, d.kind, d.where) == (2, "write_lost", {"slots": [0, 1]})  # ...and did not land
+
+
+def test_an_error_keeping_written_rows_is_internal_and_the_rows_are_read_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker, kv = _rows_worker()
+    assert worker.written is not None and worker.rows is not None
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(worker.written, "observe", broken)
+    with caplog.at_level(logging.ERROR):
+        out = _forward_step(worker, kv, _written(1, 2, [0, 1, 2], []), seed=1)
+    assert worker.internal_errors == 1 and worker.rows_as_written == 0
+    assert any("kv_write" in e for e in out.internal_errors)  # type: ignore[attr-defined]
+    # The rows were recorded from the page all the same.
+    assert (worker.rows.rows[2, :3] == worker.rows.hash(np.array([2, 2, 2]), np.array([0, 1, 2]))).all()

@@ -91,6 +91,10 @@ def test_host_rows_read_the_same_bytes_as_torch_and_back_the_digests() -> None:
     layers = [_packed_cache()[0] for _ in range(2)]
     _, elements = _packed_cache()
     host = HostRows(layers, elements)
+    assert host.strided  # the vec layout is two strided grids: K transposed, V as rows
+    # The rows' byte order is the host's (part after part); the same elements, reordered.
+    assert (np.sort(host.elements, axis=1) == elements).all()
+    elements = host.elements
     b, s = np.array([1, 4, 4]), np.array([0, 3, 1])
     packed = [PackedRows(t, elements) for t in layers]
     expected = torch.cat([g(torch.from_numpy(b), torch.from_numpy(s)) for g in packed], dim=1)
@@ -103,3 +107,85 @@ def test_host_rows_read_the_same_bytes_as_torch_and_back_the_digests() -> None:
     assert rows.check(b, s).tolist() == [1]
     # Digests are the same whichever way the rows are read.
     assert (RowDigests(layers, packed, 6, BS).hash(b, s) == rows.hash(b, s)).all()
+
+
+def test_strided_and_element_map_gathers_read_the_same_rows() -> None:
+    from vllm_kvguard.digest.rows import HostRows, strided_parts
+
+    layers = [_packed_cache(9)[0] for _ in range(3)]
+    _, elements = _packed_cache(9)
+    fitted = strided_parts(elements)
+    assert fitted is not None
+    ordered, parts = fitted
+    # K: (heads, head) elements a slot apart; V: (heads, head) contiguous, a head apart per slot.
+    assert [(p.shape, p.strides, p.slot_stride) for p in parts] == [
+        ((2, 8), (64, 4), 1),
+        ((2, 8), (64, 1), 8),
+    ]
+    host = HostRows(layers, elements)
+    # A map whose slots are not one shift of the first: read through the map (take).
+    shuffled = ordered.copy()
+    shuffled[2] = shuffled[2][::-1]
+    assert strided_parts(shuffled) is None
+    by_map = HostRows(layers, ordered)
+    by_map.parts, by_map.views = [], []  # the fallback path, on the same order
+    rng = np.random.default_rng(1)
+    for n in (1, 5, 300):  # 300: more than one chunk of RowDigests.CHUNK
+        b, s = rng.integers(0, 9, n), rng.integers(0, BS, n)
+        assert np.array_equal(host.gather(b, s), by_map.gather(b, s))
+        assert np.array_equal(host.gather(b, s, reuse=True), by_map.gather(b, s))
+        flags = np.zeros((n, 3), dtype=bool)
+        rows = RowDigests(layers, [PackedRows(t, ordered) for t in layers], 9, BS, host)
+        digests = rows.hash(b, s, flags)
+        assert (
+            digests == RowDigests(layers, [PackedRows(t, ordered) for t in layers], 9, BS).hash(b, s)
+        ).all()
+    assert not HostRows(layers, shuffled).strided
+
+
+def test_nan_in_a_later_chunk_is_flagged_on_its_own_line() -> None:
+    from vllm_kvguard.digest.rows import HostRows
+
+    layers = [_packed_cache(9)[0] for _ in range(2)]
+    _, elements = _packed_cache(9)
+    host = HostRows(layers, elements)
+    rows = RowDigests(layers, [PackedRows(t, host.elements) for t in layers], 9, BS, host)
+    n = RowDigests.CHUNK + 20
+    b = np.arange(n) % 9
+    s = (np.arange(n) // 9) % BS
+    target = RowDigests.CHUNK + 7  # in the second chunk
+    layers[1][b[target]].view(-1)[int(host.elements[s[target]][3])] = float("nan")
+    tested = np.array([3, target, n - 1])
+    flags = np.zeros((len(tested), 2), dtype=bool)
+    rows.hash(b, s, flags, tested)
+    # Every row (block, slot) equal to the target's holds the NaN; only the tested lines are filled.
+    same = (b[tested] == b[target]) & (s[tested] == s[target])
+    assert flags[:, 1].tolist() == same.tolist() and not flags[:, 0].any()
+
+
+def test_layers_in_one_buffer_are_read_through_one_view_each_part() -> None:
+    from vllm_kvguard.digest.rows import HostRows
+
+    _, elements = _packed_cache(9)
+    # As vLLM allocates them: every layer a view into one buffer, evenly spaced.
+    buffer = torch.randn(3, 9, 2, BS, 16)
+    layers = [buffer[i] for i in range(3)]
+    host = HostRows(layers, elements)
+    assert [(start, count) for start, count, _ in host.views] == [(0, 3)]
+    apart = HostRows([t.clone() for t in layers], elements)
+    assert [(start, count) for start, count, _ in apart.views] == [(0, 1), (1, 1), (2, 1)]
+    by_map = HostRows(layers, host.elements)
+    by_map.parts, by_map.views = [], []
+    rng = np.random.default_rng(2)
+    b, s = rng.integers(0, 9, 40), rng.integers(0, BS, 40)
+    expected = by_map.gather(b, s)
+    assert np.array_equal(host.gather(b, s), expected) and np.array_equal(apart.gather(b, s), expected)
+    written = expected.copy()
+    assert host.landed(b, s, written).all() and apart.landed(b, s, written).all()
+    # A row of the last layer that did not land: its V run still holds the old values.
+    layer_bytes = written.shape[1] // 3
+    v_start = 2 * layer_bytes + (written.shape[1] // 3) // 2  # V part: second half of the layer
+    written[5, v_start : v_start + 4] ^= 1
+    landed = host.landed(b, s, written)
+    assert np.flatnonzero(~landed).tolist() == [5]
+    assert (apart.landed(b, s, written) == landed).all()
