@@ -52,6 +52,8 @@ def main() -> None:
         "wait_for_layer_load",
         "wait_for_save",
         "build_connector_worker_meta",
+        "before_output",
+        "after_output",
     ]
     for name in hooks:
         original = getattr(connector.KVGuardConnector, name)
@@ -66,7 +68,7 @@ def main() -> None:
         setattr(connector.KVGuardConnector, name, timed)
     import vllm_kvguard.connector.patches as patches
 
-    observer = patches._KV_WRITE_OBSERVER
+    observer = getattr(patches, "_KV_WRITE_OBSERVER", None)
     if observer is not None:
         # The rows vLLM's CPU write op is handed, kept inside the forward (no hook of its own).
         def observed(*args: Any, _observer: Any = observer) -> None:
