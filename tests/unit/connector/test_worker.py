@@ -299,3 +299,13 @@ def test_an_error_keeping_written_rows_is_internal_and_the_rows_are_read_back(
     assert any("kv_write" in e for e in out.internal_errors)  # type: ignore[attr-defined]
     # The rows were recorded from the page all the same.
     assert (worker.rows.rows[2, :3] == worker.rows.hash(np.array([2, 2, 2]), np.array([0, 1, 2]))).all()
+
+
+def test_the_written_rows_buffer_is_the_documented_size() -> None:
+    """docs/performance.md, "Memory": 16 MiB, or 256 rows where a row is over 64 KiB."""
+    from vllm_kvguard.connector.worker import WrittenRows
+
+    bench = WrittenRows({}, 4, 2 * 8 * 64, torch.bfloat16)  # kvguard bench's model: 8 KiB rows
+    assert (bench.capacity, bench.nbytes()) == (2048, 16 << 20)
+    llama = WrittenRows({}, 32, 2 * 8 * 128, torch.bfloat16)  # Llama-3-8B class: 128 KiB rows
+    assert (llama.capacity, llama.nbytes()) == (256, 32 << 20)
