@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -62,24 +63,37 @@ def _cpu_isa(name: str, dtype: torch.dtype, block_size: int, head_size: int) -> 
     return str(_get_attn_isa(dtype, block_size, head_size))
 
 
+def _scratch_page(
+    page_shape: tuple[int, ...], dtype: torch.dtype, isa: str
+) -> tuple[torch.Tensor, Callable[[torch.Tensor, torch.Tensor, int], None]]:
+    """A one-block scratch page and ``put(key, value, slot)``, which writes one token's rows into
+    it with vLLM's own CPU write op (unobserved by the guard): the start-up probes."""
+    write = patches.original_cpu_kv_write()
+    heads, bs, two_head = page_shape
+    scratch = torch.zeros((1, *page_shape), dtype=dtype)
+    key_cache, value_cache = scratch.view(1, heads, bs * 2, two_head // 2).chunk(2, dim=2)
+
+    def put(key: torch.Tensor, value: torch.Tensor, slot: int) -> None:
+        write(key, value, key_cache, value_cache, torch.tensor([slot], dtype=torch.int64), isa)
+
+    return scratch, put
+
+
 def cpu_slot_elements(
     page_shape: tuple[int, ...], dtype: torch.dtype, block_size: int, isa: str
 ) -> np.ndarray:
     """The elements each slot of a CPU page holds, found by writing one token into a scratch page
     with vLLM's own write op (``cpu_attn_reshape_and_cache``): the CPU kernels pack K per
     instruction set (e.g. transposed), so a slot is not a slice of the page. (slots, elements)."""
-    write = patches.original_cpu_kv_write()
     heads, bs, two_head = page_shape
     if bs != block_size or two_head % 2:
         raise ValueError(f"page shape {page_shape} is not (heads, {block_size}, 2 x head_size)")
-    head = two_head // 2
-    scratch = torch.zeros((1, *page_shape), dtype=dtype)
-    key_cache, value_cache = scratch.view(1, heads, bs * 2, head).chunk(2, dim=2)
-    ones = torch.ones((1, heads, head), dtype=dtype)
+    scratch, put = _scratch_page(page_shape, dtype, isa)
+    ones = torch.ones((1, heads, two_head // 2), dtype=dtype)
     rows = []
     for slot in range(bs):
         scratch.zero_()
-        write(ones, ones, key_cache, value_cache, torch.tensor([slot], dtype=torch.int64), isa)
+        put(ones, ones, slot)
         rows.append(torch.nonzero(scratch.reshape(-1)).flatten().numpy())
     width = heads * two_head
     if any(len(r) != width for r in rows) or len(np.unique(np.concatenate(rows))) != bs * width:
@@ -93,15 +107,13 @@ def written_order_matches(
     """Whether a row read through ``elements`` (the host rows' order) is the write op's key then
     value, as given (heads x head each): then the rows vLLM writes can be digested as it hands
     them over (:class:`WrittenRows`). Checked by writing random rows with vLLM's own op."""
-    write = patches.original_cpu_kv_write()
-    heads, bs, two_head = page_shape
-    scratch = torch.zeros((1, *page_shape), dtype=dtype)
-    key_cache, value_cache = scratch.view(1, heads, bs * 2, two_head // 2).chunk(2, dim=2)
+    heads, _, two_head = page_shape
+    scratch, put = _scratch_page(page_shape, dtype, isa)
     gen = torch.Generator().manual_seed(7)
     for slot in (0, block_size - 1):
         key = torch.randn((1, heads, two_head // 2), generator=gen).to(dtype)
         value = torch.randn((1, heads, two_head // 2), generator=gen).to(dtype)
-        write(key, value, key_cache, value_cache, torch.tensor([slot], dtype=torch.int64), isa)
+        put(key, value, slot)
         row = scratch.reshape(-1)[torch.from_numpy(np.asarray(elements[slot], dtype=np.int64))]
         if not torch.equal(
             row.view(torch.int16), torch.cat([key.reshape(-1), value.reshape(-1)]).view(torch.int16)
@@ -896,10 +908,10 @@ class KVGuardWorker:
             self.rows_as_written += n
             rows = written.raw[:n] if positions is None else written.raw[positions]
             return self.rows.record(blocks, slots, written=rows)
-        if positions is None:
-            positions = np.arange(n)
         if not use.any():
             return self.rows.record(blocks, slots, flags, at)
+        if positions is None:
+            positions = np.arange(n)
         same = np.zeros(len(blocks), dtype=bool)
         mine = np.flatnonzero(use)
         same[mine] = self.rows.record(blocks[mine], slots[mine], written=written.raw[positions[mine]])

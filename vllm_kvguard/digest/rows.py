@@ -215,6 +215,8 @@ class HostRows:
                         ],
                     )
                 )
+        # The parts laid out in contiguous runs (what landed() compares).
+        self._runs = [(i, p) for i, p in enumerate(self.parts) if p.strides[-1] == 1 and p.shape[-1] > 1]
         self.elements = elements
         self.width = self.elements.shape[1]
         self.row_bytes = len(tensors) * self.width * first.element_size()
@@ -262,7 +264,7 @@ class HostRows:
         blocks = np.asarray(blocks, dtype=np.int64)
         slots = np.asarray(slots, dtype=np.int64)
         lanes = np.ascontiguousarray(written).view(self.flat[0].dtype).reshape(n, len(self.flat), self.width)
-        runs = [(i, p) for i, p in enumerate(self.parts) if p.strides[-1] == 1 and p.shape[-1] > 1]
+        runs = self._runs
         if not runs:
             now = self.gather(blocks, slots).view(self.flat[0].dtype).reshape(lanes.shape)
             return np.asarray((now == lanes).all(axis=(1, 2)))
@@ -335,6 +337,21 @@ def row_digests_torch(words: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return torch.where(d == 0, torch.ones_like(d), d)
 
 
+def _xxh3_rows(raw: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """XXH3-64 of each row of ``raw`` (rows x bytes, uint8) seeded by its slot; never 0 (0
+    marks an unwritten slot): the host row digest."""
+    size = raw.shape[1]
+    view = np.ascontiguousarray(raw).reshape(-1).data.cast("B")
+    h = xxhash.xxh3_64_intdigest
+    out = np.fromiter(
+        (h(view[i * size : (i + 1) * size], s_) for i, s_ in enumerate(slots.tolist())),
+        dtype=np.uint64,
+        count=len(raw),
+    )
+    out[out == 0] = 1
+    return out
+
+
 class RowDigests:
     """The digest of every written slot of every block, this generation and the previous one.
 
@@ -390,17 +407,7 @@ class RowDigests:
         gathered = torch.cat([g(b, s).contiguous().view(torch.uint8) for g in self.gathers], dim=1)
         if not self.on_host:
             return row_digests_torch(gathered.view(torch.int64), s).cpu().numpy().view(np.uint64)
-        raw = gathered.numpy()
-        size = raw.shape[1]
-        view = raw.reshape(-1).data.cast("B")
-        h = xxhash.xxh3_64_intdigest
-        out = np.fromiter(
-            (h(view[i * size : (i + 1) * size], int(s_)) for i, s_ in enumerate(slots.tolist())),
-            dtype=np.uint64,
-            count=n,
-        )
-        out[out == 0] = 1
-        return out
+        return _xxh3_rows(gathered.numpy(), np.asarray(slots))
 
     # Rows gathered and hashed at a time on the host: the scratch rows stay in cache between the
     # gather and the hash (a prefill's thousands of rows at once were 5-10x slower per row).
@@ -416,8 +423,6 @@ class RowDigests:
     ) -> np.ndarray:
         n = len(blocks)
         out = np.empty(n, dtype=np.uint64)
-        h = xxhash.xxh3_64_intdigest
-        size = host.row_bytes
         for lo in range(0, n, self.CHUNK):
             hi = min(n, lo + self.CHUNK)
             raw = host.gather(blocks[lo:hi], slots[lo:hi], reuse=True)
@@ -428,28 +433,14 @@ class RowDigests:
                     a, b = np.searchsorted(tested, (lo, hi))
                     if b > a:
                         host.nonfinite(raw[tested[a:b] - lo], nonfinite[a:b])
-            view = raw.reshape(-1).data.cast("B")
-            out[lo:hi] = np.fromiter(
-                (h(view[i * size : (i + 1) * size], s_) for i, s_ in enumerate(slots[lo:hi].tolist())),
-                dtype=np.uint64,
-                count=hi - lo,
-            )
-        out[out == 0] = 1
+            out[lo:hi] = _xxh3_rows(raw, slots[lo:hi])
         return out
 
     def _hash_written(
         self, host: HostRows, blocks: np.ndarray, slots: np.ndarray, written: np.ndarray
     ) -> np.ndarray:
         landed = host.landed(blocks, slots, written)
-        size = host.row_bytes
-        view = np.ascontiguousarray(written).reshape(-1).data.cast("B")
-        h = xxhash.xxh3_64_intdigest
-        digests = np.fromiter(
-            (h(view[i * size : (i + 1) * size], s_) for i, s_ in enumerate(slots.tolist())),
-            dtype=np.uint64,
-            count=len(blocks),
-        )
-        digests[digests == 0] = 1
+        digests = _xxh3_rows(written, slots)
         missed = np.flatnonzero(~landed)
         if len(missed):
             # Not as written: digest what the page holds (as rows read back from it always were).
