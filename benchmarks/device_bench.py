@@ -1,6 +1,7 @@
 """Seal and verify GB/s of the guard's device path against a device-to-device copy of the same bytes.
 
     python benchmarks/device_bench.py [--blocks 4096] [--layers 8] [--dtype bfloat16] [--repeats 9]
+                                      [--sweep] [--json FILE]
 
 Needs a GPU (CUDA or ROCm build of torch, and Triton); exits 2 without one.
 ``--device cpu`` runs the same code under ``TRITON_INTERPRET=1`` on tiny sizes: a
@@ -9,22 +10,30 @@ check that the script works (CI does it), not a measurement.
 KV-shaped pages in vLLM's GPU layout ``(2, num_blocks, block_size, kv_heads,
 head_size)`` per layer, so each page is two runs (K and V). It times the guard's
 own calls (vllm_kvguard.digest.DeviceDigestTable): seal = one launch over every
-page of every layer, digests stored into the device table, with the NaN/Inf test
-fused in; verify = one launch that hashes again and compares with the table on the
-device. Each is timed to completion (a synchronize), though the guard itself never
-waits for them. The three measurements are interleaved in each repetition;
-medians and ratios are printed. GB/s counts page bytes read once; the copy's GB/s
-counts the bytes copied (it reads and writes each). Target (issue "GPU path"):
-seal and verify at >= 70 % of the copy's rate.
+page of every layer, digests and syndromes stored into the device tables, with the
+NaN/Inf test fused in; verify = one launch that hashes again and compares with the
+table on the device. ``seal, torch syndromes`` is the seal as it was before the
+syndromes moved into the launch (a torch pass over gathered pages first), for the
+before/after. Each is timed to completion (a synchronize), though the guard itself
+never waits for them. The measurements are interleaved in each repetition; medians
+and ratios are printed. GB/s counts page bytes read once; the copy's GB/s counts
+the bytes copied (it reads and writes each). Target (issue "GPU path"): seal and
+verify at >= 70 % of the copy's rate.
+
+``--sweep`` also times the raw verify and seal launches for each words-per-iteration
+(``BLOCK``) and warps-per-program pair, to choose kernel.py's ``BLOCK_WORDS`` and
+``NUM_WARPS``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -39,6 +48,12 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn"])
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--sweep", action="store_true", help="time the raw launches for each BLOCK x num_warps")
+    ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--block", type=int, help="words per iteration (kernel.BLOCK_WORDS) for this run")
+    ap.add_argument("--num-warps", type=int, help="warps per program (kernel.NUM_WARPS) for this run")
+    ap.add_argument("--seal-block", type=int, help="kernel.SEAL_BLOCK_WORDS for this run")
+    ap.add_argument("--seal-num-warps", type=int, help="kernel.SEAL_NUM_WARPS for this run")
     a = ap.parse_args()
     if a.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("--device cpu runs the kernel under Triton's interpreter: set TRITON_INTERPRET=1")
@@ -49,7 +64,22 @@ def main() -> int:
         )
         return 2
     from vllm_kvguard.digest import DeviceDigestTable, KVPages
-    from vllm_kvguard.digest.kernel import kvg64_reference
+    from vllm_kvguard.digest import kernel as kernel_module
+    from vllm_kvguard.digest.kernel import SEAL, VERIFY, kvg64_reference
+    from vllm_kvguard.digest.syndrome import syndromes, width
+
+    for flag, value, name in (
+        ("--block", a.block, "BLOCK_WORDS"),
+        ("--seal-block", a.seal_block, "SEAL_BLOCK_WORDS"),
+    ):
+        if value:
+            if value < 16 or value & (value - 1):
+                ap.error(f"{flag} {value}: expected a power of two, at least 16")
+            setattr(kernel_module, name, value)
+    if a.num_warps:
+        kernel_module.NUM_WARPS = a.num_warps
+    if a.seal_num_warps:
+        kernel_module.SEAL_NUM_WARPS = a.seal_num_warps
 
     def sync() -> None:
         if a.device == "cuda":
@@ -63,12 +93,14 @@ def main() -> int:
         print("device_bench: the layers do not share one page geometry", file=sys.stderr)
         return 1
     table = DeviceDigestTable(pages)
+    unfused = DeviceDigestTable(pages)
+    unfused.fused_syndromes = False  # the seal as it was: syndromes by a torch pass first
     blocks = list(range(a.blocks))
     nbytes = pages.bytes_per_block * a.blocks
     dst = [torch.empty_like(t) for t in caches.values()]
 
-    def seal() -> None:
-        check = table.seal_async(blocks, check_finite=True)
+    def seal(t: DeviceDigestTable = table) -> None:
+        check = t.seal_async(blocks, check_finite=True)
         assert check is not None
         sync()
         assert check.settle() == []
@@ -78,32 +110,104 @@ def main() -> int:
         sync()
         assert check.settle() == []
 
-    seal()
-    # The digest on the device is the documented one (kernel.py), checked on one page.
-    page0 = pages.tensors[0][0].contiguous().view(torch.uint8).cpu().numpy().tobytes()
-    assert int(table.host_digests([0])[0, 0]) == int(kvg64_reference([page0])[0])
-    times: dict[str, list[float]] = {"seal": [], "verify": [], "copy": []}
-    for _ in range(a.repeats):
-        sync()
-        t = time.perf_counter()
-        seal()
-        times["seal"].append(time.perf_counter() - t)
-        t = time.perf_counter()
-        verify()
-        times["verify"].append(time.perf_counter() - t)
-        t = time.perf_counter()
+    def copy() -> None:
         for d, s in zip(dst, caches.values(), strict=True):
             d.copy_(s)
         sync()
-        times["copy"].append(time.perf_counter() - t)
+
+    seal()
+    seal(unfused)
+    verify()  # every kernel built before timing
+    # The digest and syndrome on the device are the documented ones (kernel.py, syndrome.py),
+    # checked on two pages of two layers, and both seal paths store the same syndromes.
+    for layer in (0, a.layers - 1):
+        for block in (0, a.blocks - 1):
+            raw = pages.tensors[layer][block].contiguous().view(torch.uint8).cpu().numpy()
+            assert int(table.host_digests([block])[0, layer]) == int(kvg64_reference([raw.tobytes()])[0])
+            want = syndromes(raw[None])[0, : width(raw.size)].tolist()
+            assert table.seal_record(block, layer)[2].tolist() == want
+            assert unfused.seal_record(block, layer)[2].tolist() == want
+    runs: dict[str, Callable[[], None]] = {
+        "seal": seal,
+        "seal, torch syndromes": lambda: seal(unfused),
+        "verify": verify,
+        "copy": copy,
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(a.repeats):
+        for name, run in runs.items():
+            sync()
+            t = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t)
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu (Triton interpreter)"
     print(f"{name}: {a.layers} layers x {a.blocks} pages, {nbytes / 2**30:.3f} GiB {a.dtype}")
     for k, v in gbps.items():
-        print(f"{k:7s} {v:10.3f} GB/s")
+        median = statistics.median(times[k])
+        spread = (max(times[k]) - min(times[k])) / median
+        print(f"{k:22s} {v:10.3f} GB/s   (median {median * 1e3:.3f} ms, spread {spread:.0%})")
     seal_ratio, verify_ratio = gbps["seal"] / gbps["copy"], gbps["verify"] / gbps["copy"]
     print(f"seal / copy = {seal_ratio:.3f}; verify / copy = {verify_ratio:.3f}")
+    print(f"seal, torch syndromes / copy = {gbps['seal, torch syndromes'] / gbps['copy']:.3f}")
+    result: dict[str, object] = {
+        "device": name,
+        "shape": list(shape),
+        "layers": a.layers,
+        "dtype": a.dtype,
+        "bytes": nbytes,
+        "repeats": a.repeats,
+        "gbps": gbps,
+        "seconds": times,
+        "block_words": kernel_module.BLOCK_WORDS,
+        "num_warps": kernel_module.NUM_WARPS,
+        "seal_block_words": kernel_module.SEAL_BLOCK_WORDS,
+        "seal_num_warps": kernel_module.SEAL_NUM_WARPS,
+    }
+    if a.sweep:
+        result["sweep"] = sweep(a, table, pages, nbytes, sync, SEAL, VERIFY)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
     return 0
+
+
+def sweep(a, table, pages, nbytes, sync, SEAL, VERIFY) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
+    """Raw launches (no settle) for each BLOCK x num_warps, interleaved, median GB/s."""
+    geometry = pages.geometry
+    ids = torch.arange(a.blocks, dtype=torch.int64, device=geometry.device)
+    configs = {
+        "verify": [(b, w) for b in (512, 1024, 2048) for w in (4, 8)],
+        "seal": [(b, w) for b in (256, 512, 1024) for w in (4, 8)],
+    }
+    if a.device == "cpu":
+        configs = {k: v[:2] for k, v in configs.items()}
+    cases = {
+        "verify": dict(mode=VERIFY, table=table.device_digests),
+        "seal": dict(
+            mode=SEAL, table=table.device_digests, check_finite=True, syndromes=table.device_syndromes
+        ),
+    }
+    times: dict[tuple[str, int, int], list[float]] = {}
+    for case, kwargs in cases.items():
+        for b, w in configs[case]:  # build every variant before timing
+            geometry.launch(ids, block=b, num_warps=w, **kwargs)
+    sync()
+    for _ in range(max(3, a.repeats // 2)):
+        for case, kwargs in cases.items():
+            for b, w in configs[case]:
+                sync()
+                t = time.perf_counter()
+                geometry.launch(ids, block=b, num_warps=w, **kwargs)
+                sync()
+                times.setdefault((case, b, w), []).append(time.perf_counter() - t)
+    rows = []
+    print("sweep (raw launches, median GB/s):")
+    for (case, b, w), v in times.items():
+        gbps = nbytes / statistics.median(v) / 1e9
+        rows.append({"case": case, "block": b, "num_warps": w, "gbps": gbps})
+        print(f"  {case:7s} BLOCK={b:5d} num_warps={w:2d} {gbps:10.3f} GB/s")
+    return rows
 
 
 if __name__ == "__main__":

@@ -88,6 +88,10 @@ if triton is not None:
         return x ^ (x >> 32)
 
     @triton.jit
+    def _xor(a, b):  # type: ignore[no-untyped-def]
+        return a ^ b
+
+    @triton.jit
     def _kvg64_kernel(  # type: ignore[no-untyped-def]
         base_ptr,  # uint8: the first layer's whole storage; every layer is addressed from it
         layer_origins_ptr,  # int64 [layers]: byte offset of each layer's block 0 from base_ptr
@@ -98,6 +102,8 @@ if triton is not None:
         table_ptr,  # uint64 [num_blocks, layers]: the seals (SEAL writes, VERIFY reads)
         out_ptr,  # uint64 [pages, layers]: the digests computed
         flags_ptr,  # int8 [pages, layers]: bit 0 digest != seal (VERIFY), bit 1 NaN/Inf
+        syn_ptr,  # int64 [num_blocks, layers, syn_words]: the seals' syndromes (SYNDROMES)
+        syn_words,  # syndrome words kept per page
         num_runs,
         page_bytes,
         page_stride,  # bytes between blocks
@@ -110,7 +116,10 @@ if triton is not None:
         ZERO_NONFINITE: tl.constexpr,  # and overwrite those elements with zero
         LANE_BITS: tl.constexpr,  # element width in bits (CHECK_FINITE)
         WORDS: tl.constexpr,  # every run starts and ends on an 8-byte boundary: load words
+        SYNDROMES: tl.constexpr,  # SEAL also stores each page's syndrome (digest/syndrome.py)
         BLOCK: tl.constexpr,
+        LOG_BLOCK: tl.constexpr,  # log2(BLOCK); with SYNDROMES every run but the last is whole BLOCKs
+        HIGH_BITS: tl.constexpr,  # a power of two >= the page's word-address bits above LOG_BLOCK
     ):
         page = tl.program_id(0)
         slot = tl.program_id(1)
@@ -123,6 +132,15 @@ if triton is not None:
         lanes = tl.arange(0, BLOCK)
         byte_lanes = tl.arange(0, 8)
         first_word = start * 0  # int64 zero: word index of the run's first word in the page
+        if SYNDROMES:
+            # Word j of the page is XORed into syndrome word 1 + b for each set bit b of j.
+            # Chunks start on multiples of BLOCK, so j's low LOG_BLOCK bits are the lane's own:
+            # a per-lane XOR, spread over the low bits at the end; the others are the chunk's:
+            # the chunk's XOR goes to the high bits its start has set. (Per-lane accumulators
+            # for the high bits instead: about 9 % slower on an H200, docs/performance.md.)
+            low_acc = tl.zeros([BLOCK], dtype=tl.uint64)
+            high_bits = tl.arange(0, HIGH_BITS)
+            high_acc = tl.zeros([HIGH_BITS], dtype=tl.uint64)
         for r in range(num_runs):
             offset = tl.load(run_offsets_ptr + r)
             length = tl.load(run_lengths_ptr + r)
@@ -142,6 +160,11 @@ if triton is not None:
                 a = (a << 31) | (a >> 33)
                 a = _avalanche_tl(a * 0x9E3779B185EBCA87)
                 acc += tl.where(live, a, 0)
+                if SYNDROMES:
+                    low_acc ^= x
+                    chunk_start = first_word + w
+                    high_set = ((chunk_start >> (LOG_BLOCK + high_bits)) & 1) != 0
+                    high_acc ^= tl.where(high_set, tl.reduce(x, 0, _xor), 0)
                 if CHECK_FINITE:
                     # (x & mask) + low sets a lane's sign bit iff all its exponent bits are set.
                     hit = ((x & exp_mask.to(tl.uint64)) + exp_low.to(tl.uint64)) & lane_sign.to(tl.uint64)
@@ -159,6 +182,15 @@ if triton is not None:
         flag = tl.zeros([1], dtype=tl.int8).sum(axis=0)
         if MODE == 1:
             tl.store(table_ptr + block * num_layers + layer, digest)
+            if SYNDROMES:
+                syn = syn_ptr + (block * num_layers + layer) * syn_words
+                tl.store(syn, tl.reduce(low_acc, 0, _xor).to(tl.int64, bitcast=True))
+                for b in tl.static_range(LOG_BLOCK):
+                    on = ((lanes >> b) & 1) != 0
+                    word = tl.reduce(tl.where(on, low_acc, 0), 0, _xor).to(tl.int64, bitcast=True)
+                    tl.store(syn + 1 + b, word, mask=1 + b < syn_words)
+                column = 1 + LOG_BLOCK + high_bits
+                tl.store(syn + column, high_acc.to(tl.int64, bitcast=True), mask=column < syn_words)
         if MODE == 2:
             sealed = tl.load(table_ptr + block * num_layers + layer)
             flag = flag | (sealed != digest).to(tl.int8)
@@ -177,6 +209,15 @@ def kernel_available(device: torch.device) -> bool:
         return os.environ.get("TRITON_INTERPRET") == "1"
     return device.type in ("cuda", "xpu")
 
+
+# The launch's tuning: words per iteration of a program (a power of two) and warps per
+# program (None: Triton's default, 4). Measured on a GPU with benchmarks/device_bench.py
+# --sweep (docs/performance.md, "The device path on a GPU").
+BLOCK_WORDS = 512
+NUM_WARPS: int | None = 4
+# The seal launch that also stores syndromes (more live registers per lane) has its own.
+SEAL_BLOCK_WORDS = 512
+SEAL_NUM_WARPS: int | None = 4
 
 DIGEST, SEAL, VERIFY = 0, 1, 2
 MISMATCH, NONFINITE = 1, 2
@@ -223,6 +264,29 @@ class PageGeometry:
         self.words = all(o % 8 == 0 for o in origins) and self.page_stride % 8 == 0
         self.words = self.words and all(o % 8 == 0 and n % 8 == 0 for o, n in runs)
         self.finite_test = EXPONENT_TESTS.get(self.dtype) if self.words else None
+        self._run_words = [(n + 7) // 8 for _, n in runs]
+        self._run_words_total = sum(self._run_words)
+
+    def columns(self, layers: Sequence[int] | None) -> torch.Tensor:
+        """The table columns of ``layers`` (None: all) as an int64 tensor on the device, built
+        once per set of layers (building it copies from the host, which waits)."""
+        key = tuple(layers) if layers is not None else None
+        cols = self._cols.get(key)
+        if cols is None:
+            cols = self._cols[key] = torch.tensor(list(key or ()), dtype=torch.int64, device=self.device)
+        return cols
+
+    def syndrome_block(self, block: int) -> int | None:
+        """The BLOCK a seal launch that also stores syndromes uses (``block`` or less), or None
+        where the kernel cannot: it needs whole-word runs, each but the last a whole number of
+        BLOCKs (true of vLLM's layouts: a K or V run is block_size x heads x head_size)."""
+        if not self.words:
+            return None
+        while block >= 16:
+            if all(n % block == 0 for n in self._run_words[:-1]):
+                return block
+            block //= 2
+        return None
 
     def launch(
         self,
@@ -233,7 +297,9 @@ class PageGeometry:
         check_finite: bool = False,
         zero_nonfinite: bool = False,
         layers: Sequence[int] | None = None,
-        block: int = 1024,
+        syndromes: torch.Tensor | None = None,
+        block: int | None = None,
+        num_warps: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One launch over ``block_ids`` (int64, on the device) x every layer (or ``layers``).
 
@@ -243,13 +309,14 @@ class PageGeometry:
         ``table`` (uint64 [num_blocks, layers]); VERIFY compares them with it and
         sets bit ``MISMATCH`` in ``flags``. ``check_finite`` sets bit
         ``NONFINITE`` for pages holding NaN/Inf (bf16, fp16, fp32 on whole-word
-        pages) and ``zero_nonfinite`` overwrites those elements with zero.
+        pages) and ``zero_nonfinite`` overwrites those elements with zero (the digest, flags
+        and syndrome are of the page as it was). With ``syndromes`` (int64 [num_blocks, layers,
+        words], SEAL only) the launch also stores each page's syndrome (digest/syndrome.py) there,
+        from the same pass over the bytes; :meth:`syndrome_block` must allow it.
+        ``block`` (a power of two) words per iteration and ``num_warps`` tune the launch.
         """
         pages = int(block_ids.numel())
-        key = tuple(layers) if layers is not None else None
-        cols = self._cols.get(key)
-        if cols is None:
-            cols = self._cols[key] = torch.tensor(list(key or ()), dtype=torch.int64, device=self.device)
+        cols = self.columns(layers)
         launched = int(cols.numel())
         out = torch.empty((pages, launched), dtype=torch.uint64, device=self.device)
         flags = torch.zeros((pages, launched), dtype=torch.int8, device=self.device)
@@ -257,8 +324,25 @@ class PageGeometry:
             raise ValueError("seal and verify need a digest table of shape (num_blocks, layers)")
         if pages == 0 or launched == 0:
             return out, flags
+        sealing = syndromes is not None
+        block = block or (SEAL_BLOCK_WORDS if sealing else BLOCK_WORDS)
+        num_warps = num_warps or (SEAL_NUM_WARPS if sealing else NUM_WARPS)
+        if block & (block - 1):
+            raise ValueError("block must be a power of two")
+        high_bits = 1
+        if syndromes is not None:
+            fused = self.syndrome_block(block)
+            if mode != SEAL or fused is None or tuple(syndromes.shape[:2]) != tuple(table.shape):  # type: ignore[union-attr]
+                raise ValueError(
+                    "syndromes are stored by SEAL launches over whole-BLOCK runs, into a "
+                    "(num_blocks, layers, words) table"
+                )
+            block = fused
+            address_bits = (max(self._run_words_total, 1) - 1).bit_length()
+            high_bits = 1 << max(0, address_bits - (block.bit_length() - 1) - 1).bit_length()
         test = self.finite_test if check_finite else None
         mask, low, sign, bits = test if test is not None else (0, 0, 0, 16)
+        tuning = {"num_warps": num_warps} if num_warps else {}
         _kvg64_kernel[(pages, launched)](
             self.base,
             self.origins,
@@ -269,6 +353,8 @@ class PageGeometry:
             table if table is not None else out,
             out,
             flags,
+            syndromes if syndromes is not None else out,
+            syndromes.shape[2] if syndromes is not None else 0,
             self.num_runs,
             self.page_bytes,
             self.page_stride,
@@ -281,13 +367,17 @@ class PageGeometry:
             ZERO_NONFINITE=test is not None and zero_nonfinite,
             LANE_BITS=bits,
             WORDS=self.words,
+            SYNDROMES=syndromes is not None,
             BLOCK=block,
+            LOG_BLOCK=block.bit_length() - 1,
+            HIGH_BITS=high_bits,
+            **tuning,
         )
         return out, flags
 
 
 def kvg64_pages(
-    tensor: torch.Tensor, block_ids: Sequence[int], runs: Sequence[tuple[int, int]], block: int = 1024
+    tensor: torch.Tensor, block_ids: Sequence[int], runs: Sequence[tuple[int, int]], block: int | None = None
 ) -> torch.Tensor:
     """KVG64 of pages ``tensor[b]`` for ``b`` in ``block_ids``, one launch, on ``tensor``'s device.
 

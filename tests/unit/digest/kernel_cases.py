@@ -1,9 +1,12 @@
-"""The KVG64 page-digest kernel, run by Triton's interpreter on CPU, bit for bit against the
-numpy reference that defines the digest (docs/design.md, "Page digests on the device").
+"""The KVG64 page-digest kernel, bit for bit against the numpy reference that defines the
+digest (docs/design.md, "Page digests on the device"), run by Triton's interpreter on CPU or,
+with ``KVGUARD_KERNEL_DEVICE=cuda``, compiled for a GPU (benchmarks/gpu_check.sh).
 
 Run by tests/unit/digest/test_kernel.py in its own process with TRITON_INTERPRET=1: Triton reads
 that variable when it builds a kernel, and setting it in the main test process would also
-switch vLLM's Triton kernels (in-process engine tests) to the interpreter.
+switch vLLM's Triton kernels (in-process engine tests) to the interpreter. On a GPU the cases
+need only torch, Triton, numpy, xxhash and pytest (no vLLM); one more case runs there, the
+check that sealing and verifying never make the host wait for the device.
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ import pytest
 import torch
 
 from vllm_kvguard.digest import KVPages, page_runs
+from vllm_kvguard.digest.syndrome import syndromes, width
 
-if os.environ.get("TRITON_INTERPRET") != "1":
+DEVICE = os.environ.get("KVGUARD_KERNEL_DEVICE", "cpu")
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run with TRITON_INTERPRET=1 (tests/unit/digest/test_kernel.py does)")
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    raise RuntimeError("KVGUARD_KERNEL_DEVICE=cuda but torch sees no GPU")
+if DEVICE not in ("cpu", "cuda"):
+    raise RuntimeError(f"KVGUARD_KERNEL_DEVICE={DEVICE!r}: expected cpu or cuda")
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +40,20 @@ def kernel() -> ModuleType:
 
 
 def _pages(t: torch.Tensor, blocks: list[int]) -> list[bytes]:
-    return [t[b].contiguous().view(torch.uint8).numpy().tobytes() for b in blocks]
+    return [t[b].contiguous().view(torch.uint8).cpu().numpy().tobytes() for b in blocks]
+
+
+def _u64(t: torch.Tensor) -> np.ndarray:
+    """A uint64 device tensor on the host (through int64: torch's uint64 lacks ops on CUDA)."""
+    return t.view(torch.int64).cpu().numpy().view(np.uint64)
+
+
+def _ids(blocks: list[int]) -> torch.Tensor:
+    return torch.tensor(blocks, dtype=torch.int64, device=DEVICE)
+
+
+def _table(*shape: int) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.int64, device=DEVICE).view(torch.uint64)
 
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8]
@@ -42,7 +64,7 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tens
     raw = torch.randint(
         0, 256, (int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size(),), generator=g
     )
-    return raw.to(torch.uint8).view(dtype).reshape(shape)
+    return raw.to(torch.uint8).view(dtype).reshape(shape).to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -65,7 +87,7 @@ def test_kernel_matches_reference_bit_for_bit(
     runs = page_runs(paged[0])
     assert len(runs) == (2 if layout == "kv_first" else 1)
     blocks = [6, 0, 3, 3, 5]  # any order, repeats
-    got = kernel.kvg64_pages(paged, blocks, runs, block=32).numpy().view(np.uint64)
+    got = _u64(kernel.kvg64_pages(paged, blocks, runs, block=32))
     want = kernel.kvg64_reference(_pages(paged, blocks))
     assert got.tolist() == want.tolist()
     assert got[2] == got[3] and len(set(got.tolist())) == 4
@@ -74,18 +96,18 @@ def test_kernel_matches_reference_bit_for_bit(
 def test_any_single_word_change_changes_the_digest(kernel: ModuleType) -> None:
     t = _random((4, 64, 8), torch.bfloat16, seed=1)
     runs = page_runs(t[0])
-    before = kernel.kvg64_pages(t, [2], runs, block=64).numpy().view(np.uint64)[0]
+    before = _u64(kernel.kvg64_pages(t, [2], runs, block=64))[0]
     raw = t.view(torch.uint8).reshape(4, -1)
     for byte in (0, 7, 8, 511, 1023):
         for bit in (0, 7):
             raw[2, byte] ^= 1 << bit
-            after = kernel.kvg64_pages(t, [2], runs, block=64).numpy().view(np.uint64)[0]
+            after = _u64(kernel.kvg64_pages(t, [2], runs, block=64))[0]
             raw[2, byte] ^= 1 << bit
             assert after != before, (byte, bit)
     # Swapping two words is a change too (positions are keyed).
     words = t.view(torch.int64).reshape(4, -1)
     words[2, [0, 1]] = words[2, [1, 0]]
-    assert kernel.kvg64_pages(t, [2], runs, block=64).numpy().view(np.uint64)[0] != before
+    assert _u64(kernel.kvg64_pages(t, [2], runs, block=64))[0] != before
 
 
 def test_reference_known_values() -> None:
@@ -129,34 +151,35 @@ def test_one_launch_covers_every_layer(kernel: ModuleType, dtype: torch.dtype, l
     paged = [t.movedim(1, 0) if layout == "kv_first" else t for t in tensors]
     geometry = kernel.PageGeometry(paged, page_runs(paged[0][0]))
     blocks = [8, 1, 4]
-    digests, flags = geometry.launch(torch.tensor(blocks), block=64)
+    digests, flags = geometry.launch(_ids(blocks), block=64)
     for layer, t in enumerate(paged):
         want = kernel.kvg64_reference(_pages(t, blocks)).tolist()
-        assert digests[:, layer].numpy().view(np.uint64).tolist() == want
+        assert _u64(digests)[:, layer].tolist() == want
     assert not flags.any()
 
 
 def test_seal_stores_and_verify_flags_only_the_changed_page(kernel: ModuleType) -> None:
     tensors = _layers(torch.bfloat16, 2, (6, 2, 16, 16), seed=50)
     geometry = kernel.PageGeometry(tensors, page_runs(tensors[0][0]))
-    table = torch.zeros((6, 2), dtype=torch.uint64)
-    sealed, _ = geometry.launch(torch.tensor([0, 3, 5]), mode=kernel.SEAL, table=table, block=64)
-    assert table.numpy().view(np.uint64)[[0, 3, 5]].tolist() == sealed.numpy().view(np.uint64).tolist()
-    assert table.numpy().view(np.uint64)[[1, 2, 4]].tolist() == [[0, 0]] * 3
+    table = _table(6, 2)
+    sealed, _ = geometry.launch(_ids([0, 3, 5]), mode=kernel.SEAL, table=table, block=64)
+    assert _u64(table)[[0, 3, 5]].tolist() == _u64(sealed).tolist()
+    assert _u64(table)[[1, 2, 4]].tolist() == [[0, 0]] * 3
 
-    ids = torch.tensor([5, 3, 0])
+    ids = _ids([5, 3, 0])
     _, flags = geometry.launch(ids, mode=kernel.VERIFY, table=table, block=64)
     assert flags.tolist() == [[0, 0], [0, 0], [0, 0]]
     tensors[1].view(torch.uint8)[3, 1, 7, 3] ^= 0x10  # one bit of block 3, layer 1
     actual, flags = geometry.launch(ids, mode=kernel.VERIFY, table=table, block=64)
     assert flags.tolist() == [[0, 0], [0, kernel.MISMATCH], [0, 0]]
-    assert actual[1, 1] != table[3, 1] and actual[1, 0] == table[3, 0]
+    actual_host, table_host = _u64(actual), _u64(table)
+    assert actual_host[1, 1] != table_host[3, 1] and actual_host[1, 0] == table_host[3, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fused_nonfinite_check_agrees_with_torch(kernel: ModuleType, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(60)
-    tensors = [(torch.randn((8, 2, 16, 16), generator=g) * 1e3).to(dtype) for _ in range(2)]
+    tensors = [(torch.randn((8, 2, 16, 16), generator=g) * 1e3).to(dtype).to(DEVICE) for _ in range(2)]
     tensors[0][0].view(-1)[0] = torch.finfo(dtype).max  # finite extremes are not flagged
     tensors[0][0].view(-1)[1] = -torch.finfo(dtype).max
     tensors[0][0].view(-1)[2] = torch.finfo(dtype).tiny
@@ -167,22 +190,24 @@ def test_fused_nonfinite_check_agrees_with_torch(kernel: ModuleType, dtype: torc
     geometry = kernel.PageGeometry(tensors, page_runs(tensors[0][0]))
     blocks = [0, 2, 5, 6]
     want = [[not bool(torch.isfinite(t[b]).all()) for t in tensors] for b in blocks]
-    plain, flags = geometry.launch(torch.tensor(blocks), check_finite=True, block=64)
+    plain, flags = geometry.launch(_ids(blocks), check_finite=True, block=64)
     assert ((flags & kernel.NONFINITE) != 0).tolist() == want
     # The digest is the same with or without the check.
-    assert torch.equal(plain, geometry.launch(torch.tensor(blocks), block=64)[0])
+    assert (_u64(plain) == _u64(geometry.launch(_ids(blocks), block=64)[0])).all()
 
 
 def test_zeroing_clears_exactly_the_nonfinite_elements(kernel: ModuleType) -> None:
-    t = torch.randn((4, 64), generator=torch.Generator().manual_seed(61)).to(torch.bfloat16)
-    t[1, [3, 4, 40]] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=torch.bfloat16)
+    t = torch.randn((4, 64), generator=torch.Generator().manual_seed(61)).to(torch.bfloat16).to(DEVICE)
+    t[1, [3, 4, 40]] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=torch.bfloat16).to(
+        DEVICE
+    )
     t[3, 9] = float("nan")  # not sealed this launch: left alone
     want = t.clone()
     want[1, [3, 4, 40]] = 0
-    table = torch.zeros((4, 1), dtype=torch.uint64)
+    table = _table(4, 1)
     geometry = kernel.PageGeometry([t], page_runs(t[0]))
     _, flags = geometry.launch(
-        torch.tensor([0, 1]), mode=kernel.SEAL, table=table, check_finite=True, zero_nonfinite=True, block=16
+        _ids([0, 1]), mode=kernel.SEAL, table=table, check_finite=True, zero_nonfinite=True, block=16
     )
     assert flags[:, 0].tolist() == [0, kernel.NONFINITE]
     assert torch.equal(t[:3], want[:3]) and torch.isnan(t[3, 9])
@@ -198,22 +223,20 @@ def test_layers_of_different_geometry_are_refused(kernel: ModuleType) -> None:
 def test_a_subset_of_layers_reads_and_writes_only_their_columns(kernel: ModuleType) -> None:
     tensors = _layers(torch.float16, 4, (5, 8, 16), seed=80)
     geometry = kernel.PageGeometry(tensors, page_runs(tensors[0][0]))
-    table = torch.zeros((5, 4), dtype=torch.uint64)
-    geometry.launch(torch.tensor([1, 2]), mode=kernel.SEAL, table=table, block=32)
+    table = _table(5, 4)
+    geometry.launch(_ids([1, 2]), mode=kernel.SEAL, table=table, block=32)
     tensors[0].view(torch.uint8)[2, 0, 0] ^= 1  # layer 0 changed, not launched below
     tensors[3].view(torch.uint8)[1, 5, 5] ^= 4
-    actual, flags = geometry.launch(
-        torch.tensor([2, 1]), mode=kernel.VERIFY, table=table, layers=[3, 2], block=32
-    )
+    actual, flags = geometry.launch(_ids([2, 1]), mode=kernel.VERIFY, table=table, layers=[3, 2], block=32)
     assert actual.shape == (2, 2)
     assert flags.tolist() == [[0, 0], [kernel.MISMATCH, 0]]
-    assert actual[0, 1] == table[2, 2]
+    assert _u64(actual)[0, 1] == _u64(table)[2, 2]
 
 
 def test_device_table_defers_results_until_settled(kernel: ModuleType) -> None:
     from vllm_kvguard.digest import DeviceDigestTable
 
-    t = torch.randn((6, 4, 16), generator=torch.Generator().manual_seed(90)).to(torch.bfloat16)
+    t = torch.randn((6, 4, 16), generator=torch.Generator().manual_seed(90)).to(torch.bfloat16).to(DEVICE)
     pages = KVPages({"a": t, "b": t.clone()}, use_kernel=True)
     assert pages.deferred
     table = DeviceDigestTable(pages)
@@ -223,6 +246,7 @@ def test_device_table_defers_results_until_settled(kernel: ModuleType) -> None:
     assert [(b, layer, f) for b, layer, f, _, _ in seal.settle()] == [(3, 1, kernel.NONFINITE)]
     pages.page(4, 0).view(torch.uint8)[0, 0] ^= 0x80
     check = table.verify_async([4, 1])
+    _sync()
     assert check.ready() and not check.settled
     [(block, layer, flags, actual, sealed)] = check.settle()
     assert (block, layer, flags) == (4, 0, kernel.MISMATCH) and actual != sealed
@@ -234,3 +258,133 @@ def test_device_table_defers_results_until_settled(kernel: ModuleType) -> None:
     pages.page(1, 1).view(torch.uint8)[2, 2] ^= 0x01
     [(block, layer, flags, _, _)] = table.verify_async([4, 1], layers=[1]).settle()
     assert (block, layer, flags) == (1, 1, kernel.MISMATCH)
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _reference_syndromes(t: torch.Tensor, blocks: list[int]) -> np.ndarray:
+    """syndrome.py's numpy syndromes of the pages (their bytes in logical order), uint64."""
+    raw = np.stack([np.frombuffer(p, dtype=np.uint8) for p in _pages(t, blocks)])
+    return syndromes(raw)[:, : width(raw.shape[1])]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+@pytest.mark.parametrize(
+    ("layout", "shape", "block", "fused"),
+    [
+        # CPU layout, one run of 64 words: one chunk of 64 lanes, or four of 16 (high bits 4, 5).
+        ("cpu", (7, 2, 16, 16), 64, 64),
+        ("cpu", (7, 2, 16, 16), 16, 16),
+        # K and V apart, each run whole chunks: the V run's chunks start past the K run's.
+        ("kv_first", (2, 7, 16, 2, 8), 1024, None),
+        ("kv_first", (2, 7, 16, 2, 8), 16, 16),
+        # A large page (8 KiB to 32 KiB), many chunks: the address's high bits.
+        ("cpu", (5, 4, 16, 64), 64, 64),
+    ],
+)
+def test_seal_stores_the_syndromes_bit_for_bit(
+    kernel: ModuleType, dtype: torch.dtype, layout: str, shape, block: int, fused: int | None
+) -> None:
+    tensors = _layers(dtype, 2, shape, seed=100 + DTYPES.index(dtype))
+    paged = [t.movedim(1, 0) if layout == "kv_first" else t for t in tensors]
+    geometry = kernel.PageGeometry(paged, page_runs(paged[0][0]))
+    run_words = page_runs(paged[0][0])[0][1] // 8
+    expected_block = fused or min(1024, run_words & -run_words)  # kv_first: the K run's largest power of 2
+    assert geometry.syndrome_block(block) == expected_block
+    blocks = [4, 0, 2]
+    words = width(geometry.page_bytes)
+    table, syn = _table(shape[1] if layout == "kv_first" else shape[0], 2), None
+    syn = torch.full((*table.shape, words), -1, dtype=torch.int64, device=DEVICE)
+    digests, _ = geometry.launch(_ids(blocks), mode=kernel.SEAL, table=table, syndromes=syn, block=block)
+    host = syn.cpu().numpy().view(np.uint64)
+    for layer, t in enumerate(paged):
+        want = _reference_syndromes(t, blocks)
+        assert host[blocks, layer].tolist() == want.tolist(), layer
+        # The digests are those of a launch without syndromes.
+        assert _u64(digests)[:, layer].tolist() == kernel.kvg64_reference(_pages(t, blocks)).tolist()
+    untouched = [b for b in range(table.shape[0]) if b not in blocks]
+    assert (syn[untouched] == -1).all()
+
+
+def test_syndromes_fall_back_where_the_runs_are_not_whole_chunks(kernel: ModuleType) -> None:
+    # K and V runs of 12 words (no power of two >= 16 divides them), and a page of odd bytes.
+    kv = _random((2, 5, 3, 2, 4), torch.float32, seed=110).movedim(1, 0)
+    odd = _random((5, 3, 5), torch.uint8, seed=111)
+    for t in (kv, odd):
+        geometry = kernel.PageGeometry([t], page_runs(t[0]))
+        assert geometry.syndrome_block(1024) is None
+        table = _table(5, 1)
+        syn = torch.zeros((5, 1, width(geometry.page_bytes)), dtype=torch.int64, device=DEVICE)
+        with pytest.raises(ValueError, match="whole-BLOCK runs"):
+            geometry.launch(_ids([1]), mode=kernel.SEAL, table=table, syndromes=syn)
+    # The table then computes them with torch before the launch: the same syndromes.
+    from vllm_kvguard.digest import DeviceDigestTable
+
+    for t in (kv.movedim(0, 1), odd):
+        pages = KVPages({"a": t}, block_dim=1 if t is not odd else 0, use_kernel=True)
+        table = DeviceDigestTable(pages)
+        assert not table.fused_syndromes
+        table.seal_async([3, 1])
+        want = _reference_syndromes(pages.tensors[0], [3, 1])
+        for i, b in enumerate([3, 1]):
+            assert table.seal_record(b, 0)[2].tolist() == want[i].tolist()
+
+
+def test_device_table_seals_syndromes_in_the_launch(kernel: ModuleType) -> None:
+    from vllm_kvguard.digest import DeviceDigestTable
+
+    caches = {f"l{i}": _random((2, 6, 16, 2, 8), torch.bfloat16, seed=120 + i) for i in range(3)}
+    pages = KVPages(caches, block_dim=1, use_kernel=True)
+    table = DeviceDigestTable(pages)
+    assert table.fused_syndromes
+    table.seal_async([5, 2])
+    for layer, t in enumerate(pages.tensors):
+        want = _reference_syndromes(t, [5, 2])
+        for i, b in enumerate([5, 2]):
+            assert table.seal_record(b, layer)[2].tolist() == want[i].tolist()
+    # Resealing keeps the previous digest, and the syndrome locates a one-word change.
+    from vllm_kvguard.digest.syndrome import locate, page_words
+
+    first = table.seal_record(2, 1)[0]
+    before = page_words(np.frombuffer(_pages(pages.tensors[1], [2])[0], dtype=np.uint8))
+    pages.write_word(2, 1, 70, int(before[70]) ^ (1 << 9))  # a word of the V run
+    sealed_syndrome = table.seal_record(2, 1)[2]
+    table.seal_async([2])
+    digest, previous, now = table.seal_record(2, 1)
+    assert previous == first and digest != first
+    found = locate(
+        sealed_syndrome, now, page_words(np.frombuffer(_pages(pages.tensors[1], [2])[0], dtype=np.uint8))
+    )
+    assert found is not None and found.word == 70 and found.flipped == 1 << 9
+
+
+if DEVICE == "cuda":
+    # Only meaningful on a GPU: torch's sync debug mode raises on any op that makes the host
+    # wait for the device (the interpreter has no device to wait for).
+
+    def test_seal_and_verify_never_wait_for_the_device(kernel: ModuleType) -> None:
+        from vllm_kvguard.digest import DeviceDigestTable
+
+        g = torch.Generator().manual_seed(130)
+        caches = {
+            f"l{i}": torch.randn((2, 64, 16, 8, 128), generator=g).to(torch.bfloat16).to(DEVICE)
+            for i in range(4)
+        }
+        pages = KVPages(caches, block_dim=1, use_kernel=True)
+        table = DeviceDigestTable(pages)
+        # Build the kernels and the launch's column map for layer 2 first (compiling may wait).
+        table.seal_async([0], check_finite=True)
+        table.verify_async([0]).settle()
+        table.verify_async([0], layers=[2]).settle()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            seal = table.seal_async(list(range(1, 64)), check_finite=True)
+            check = table.verify_async(list(range(1, 64)))
+            scrub = table.verify_async([5, 9], layers=[2])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert seal is not None and seal.settle() == [] and check.settle() == [] and scrub.settle() == []
