@@ -88,14 +88,16 @@ def main() -> None:
     if a.pyinstrument:
         from pyinstrument import Profiler
 
-        profiler = Profiler(interval=0.001)
+        profiler = Profiler(interval=0.0002)
         profiler.start()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     if profiler is not None:
         profiler.stop()
-        a.pyinstrument.write_text(profiler.output_text(unicode=False, color=False))
+        a.pyinstrument.write_text(
+            profiler.output_text(unicode=False, color=False, show_all=True, short_mode=False)
+        )
     spent = sum(sum(v) for v in totals.values())
     share = spent / elapsed
     print(

@@ -133,7 +133,17 @@ def hint(log_tail: str) -> str | None:
 
 
 def run_child(job: str, args: dict[str, Any], env: dict[str, str], log: Path) -> Any:
-    """Run ``job`` of :mod:`.child` in its own process; return the JSON it wrote to ``args["out"]``."""
+    """Run ``job`` of :mod:`.child` in its own process; return the JSON it wrote to ``args["out"]``.
+
+    The child runs in the log's folder (the work folder), not here: ``python -m`` puts its
+    current directory first on ``sys.path``, so a child started inside a checkout would import
+    that checkout's package whatever ``PYTHONPATH`` says (comparing two trees with ``kvguard
+    bench`` would run one of them twice). Paths in ``args`` are made absolute for it."""
+    args = dict(args)
+    for key in ("model", "out"):
+        value = args.get(key)
+        if isinstance(value, str) and (key == "out" or Path(value).exists()):
+            args[key] = str(Path(value).resolve())
     with log.open("w") as err:
         proc = subprocess.run(
             [sys.executable, "-m", "vllm_kvguard.tools.child", json.dumps({**args, "job": job})],
@@ -141,6 +151,7 @@ def run_child(job: str, args: dict[str, Any], env: dict[str, str], log: Path) ->
             stdout=err,
             stderr=subprocess.STDOUT,
             check=False,
+            cwd=log.resolve().parent,
         )
     if proc.returncode != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])

@@ -157,3 +157,35 @@ def test_report_summarises_a_log_and_diagnoses_it(tmp_path: Path, capsys: pytest
     summary = json.loads(capsys.readouterr().out)
     assert summary["diagnosis"]["verdict"] == "software" and summary["by"]["rank"] == {"0": 1, "1": 1}
     assert main(["report", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_engine_children_run_in_the_work_folder_with_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child started with ``python -m`` imports from its current directory first: started in a
+    checkout, it would run that checkout's code whatever PYTHONPATH says. It runs in the work
+    folder, and the relative paths it is given still point where the caller meant."""
+    from vllm_kvguard.tools import childrun
+
+    caller = tmp_path / "checkout"
+    (caller / "model").mkdir(parents=True)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(caller)
+    seen: dict[str, object] = {}
+
+    def fake_run(cmd: list[str], **kwargs: object) -> object:
+        seen["cwd"], seen["args"] = kwargs["cwd"], json.loads(cmd[-1])
+        Path(seen["args"]["out"]).write_text('{"ok": true}')  # type: ignore[index]
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(childrun.subprocess, "run", fake_run)
+    args = {"model": "model", "out": "../work/out.json", "other": "model"}
+    assert childrun.run_child("bench", args, {}, Path("../work/bench.log")) == {"ok": True}
+    assert seen["cwd"] == work.resolve()
+    assert seen["args"] == {
+        "model": str((caller / "model").resolve()),
+        "out": str((work / "out.json").resolve()),
+        "other": "model",
+        "job": "bench",
+    }
