@@ -388,3 +388,48 @@ if DEVICE == "cuda":
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert seal is not None and seal.settle() == [] and check.settle() == [] and scrub.settle() == []
+
+
+def test_row_digests_where_the_rows_live_match_the_reference() -> None:
+    """The device path's row digests (digest/rows.py: torch, no kernel) on the cases' device
+    (on the interpreter's CPU run, the host path's): every layer's row gathered along the slot
+    axis, digested bit for bit as the reference defines, and a changed element of a recorded
+    row found."""
+    from vllm_kvguard.digest.rows import AxisRows, RowDigests, row_digests_reference
+
+    g = torch.Generator().manual_seed(140)
+    # vLLM's GPU layout, block-first: (blocks, 2, slots, heads, head), three layers.
+    caches = [torch.randn((7, 2, 16, 2, 8), generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(3)]
+    rows = RowDigests(caches, [AxisRows(t, 1) for t in caches], 7, 16)
+    assert rows.row_bytes == 3 * 2 * 2 * 8 * 2 and rows.on_host == (DEVICE == "cpu")
+    blocks, slots = np.array([3, 3, 6, 0]), np.array([0, 15, 7, 2])
+    raw = np.stack(
+        [
+            np.concatenate([t[b, :, s].contiguous().view(torch.uint8).cpu().numpy().ravel() for t in caches])
+            for b, s in zip(blocks.tolist(), slots.tolist(), strict=True)
+        ]
+    )
+    if rows.on_host:  # the interpreter's run: host rows are XXH3 seeded by the slot
+        import xxhash
+
+        want = [xxhash.xxh3_64_intdigest(r.tobytes(), int(s)) or 1 for r, s in zip(raw, slots, strict=True)]
+    else:
+        want = row_digests_reference(raw, slots).tolist()
+    assert rows.hash(blocks, slots).tolist() == want
+    rows.record(blocks, slots)
+    caches[2][6, 1, 7, 1, 3] += 1  # layer 2, V of row (6, 7)
+    caches[0][3, 0, 14] += 1  # another slot of block 3: no recorded row
+    assert rows.check(blocks, slots).tolist() == [2]
+
+
+def test_device_syndromes_where_the_pages_live_match_the_host() -> None:
+    from vllm_kvguard.digest.syndrome import syndromes_device
+
+    for size in (8, 600, 65536, 70000):
+        pages = torch.randint(
+            0, 256, (3, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(size)
+        )
+        kept = width(size)
+        host = syndromes(pages.numpy())[:, :kept]
+        device = syndromes_device(pages.to(DEVICE), kept).cpu().numpy().view(np.uint64)
+        assert (host == device).all(), size
