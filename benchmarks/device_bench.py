@@ -54,6 +54,10 @@ def main() -> int:
     ap.add_argument("--num-warps", type=int, help="warps per program (kernel.NUM_WARPS) for this run")
     ap.add_argument("--seal-block", type=int, help="kernel.SEAL_BLOCK_WORDS for this run")
     ap.add_argument("--seal-num-warps", type=int, help="kernel.SEAL_NUM_WARPS for this run")
+    ap.add_argument(
+        "--step-pages",
+        help="also time the host side of one step's calls (launch, no wait) for these page counts, e.g. 8,64",
+    )
     a = ap.parse_args()
     if a.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("--device cpu runs the kernel under Triton's interpreter: set TRITON_INTERPRET=1")
@@ -166,6 +170,8 @@ def main() -> int:
     }
     if a.sweep:
         result["sweep"] = sweep(a, table, pages, nbytes, sync, SEAL, VERIFY)
+    if a.step_pages:
+        result["step"] = step_calls(a, table, sync)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -207,6 +213,45 @@ def sweep(a, table, pages, nbytes, sync, SEAL, VERIFY) -> list[dict[str, object]
         gbps = nbytes / statistics.median(v) / 1e9
         rows.append({"case": case, "block": b, "num_warps": w, "gbps": gbps})
         print(f"  {case:7s} BLOCK={b:5d} num_warps={w:2d} {gbps:10.3f} GB/s")
+    return rows
+
+
+def step_calls(a, table, sync) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
+    """What a serving step's calls cost the host: seal_async / verify_async of a few pages
+    (launch and return, as the guard does: no wait), and settling them once the device is done
+    (as the guard does after vLLM's own end-of-step wait). Medians of 200 calls, µs."""
+    rows = []
+    print("one step's calls, host side (median us; the device work is not waited for):")
+    for n in (int(x) for x in a.step_pages.split(",")):
+        ids = list(range(n))
+        seal_us, verify_us, settle_us = [], [], []
+        for i in range(220):
+            sync()
+            t = time.perf_counter()
+            check = table.seal_async(ids, check_finite=True)
+            t1 = time.perf_counter()
+            verify = table.verify_async(ids)
+            t2 = time.perf_counter()
+            sync()
+            t3 = time.perf_counter()
+            check.settle()
+            verify.settle()
+            t4 = time.perf_counter()
+            if i >= 20:
+                seal_us.append((t1 - t) * 1e6)
+                verify_us.append((t2 - t1) * 1e6)
+                settle_us.append((t4 - t3) * 1e6)
+        row = {
+            "pages": n,
+            "seal_us": statistics.median(seal_us),
+            "verify_us": statistics.median(verify_us),
+            "settle_us": statistics.median(settle_us),
+        }
+        rows.append(row)
+        print(
+            f"  {n:5d} pages x {a.layers} layers: seal_async {row['seal_us']:7.1f}  "
+            f"verify_async {row['verify_us']:7.1f}  settle both {row['settle_us']:7.1f}"
+        )
     return rows
 
 
