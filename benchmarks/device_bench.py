@@ -55,6 +55,10 @@ def main() -> int:
     ap.add_argument("--seal-block", type=int, help="kernel.SEAL_BLOCK_WORDS for this run")
     ap.add_argument("--seal-num-warps", type=int, help="kernel.SEAL_NUM_WARPS for this run")
     ap.add_argument(
+        "--step-rows",
+        help="also time the row digests of one step (RowDigests.record) for these row counts, e.g. 16,256",
+    )
+    ap.add_argument(
         "--step-pages",
         help="also time the host side of one step's calls (launch, no wait) for these page counts, e.g. 8,64",
     )
@@ -172,6 +176,8 @@ def main() -> int:
         result["sweep"] = sweep(a, table, pages, nbytes, sync, SEAL, VERIFY)
     if a.step_pages:
         result["step"] = step_calls(a, table, sync)
+    if a.step_rows:
+        result["rows"] = step_rows(a, caches, sync)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -253,6 +259,58 @@ def step_calls(a, table, sync) -> list[dict[str, object]]:  # type: ignore[no-un
             f"verify_async {row['verify_us']:7.1f}  settle both {row['settle_us']:7.1f}"
         )
     return rows
+
+
+def step_rows(a, caches, sync) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
+    """The row digests of one step on the device (digest/rows.py, what the worker runs in
+    wait_for_save with VLLM_KVGUARD_ROWS on): host time of RowDigests.record for a step's rows,
+    with the device idle, and right after ~20 ms of queued device work (as after a forward): a
+    call that waits for the device takes about that much longer."""
+    import numpy as np
+
+    from vllm_kvguard.digest.rows import AxisRows, RowDigests
+
+    tensors = [t.movedim(1, 0) for t in caches.values()]  # block-first: (blocks, 2, slots, heads, head)
+    rows = RowDigests(tensors, [AxisRows(t, 1) for t in tensors], a.blocks, a.block_size)
+    side = 8192 if a.device == "cuda" else 64
+    x = torch.randn((side, side), device=tensors[0].device, dtype=torch.bfloat16)
+
+    def busy() -> None:  # about 20 ms of matrix products on an H200, queued, not waited for
+        for _ in range(12):
+            torch.mm(x, x)
+
+    sync()
+    t = time.perf_counter()
+    busy()
+    sync()
+    busy_ms = (time.perf_counter() - t) * 1e3
+    out = []
+    print(f"one step's row digests (RowDigests.record), host ms; queued work alone {busy_ms:.1f} ms:")
+    for n in (int(v) for v in a.step_rows.split(",")):
+        blocks = np.arange(n, dtype=np.int64) % a.blocks
+        slots = (np.arange(n, dtype=np.int64) // a.blocks) % a.block_size
+        idle, after = [], []
+        for _ in range(12):
+            sync()
+            t = time.perf_counter()
+            rows.record(blocks, slots)
+            idle.append(time.perf_counter() - t)
+            busy()
+            t = time.perf_counter()
+            rows.record(blocks, slots)
+            after.append(time.perf_counter() - t)
+            sync()
+        row = {
+            "rows": n,
+            "idle_ms": statistics.median(idle[2:]) * 1e3,
+            "after_work_ms": statistics.median(after[2:]) * 1e3,
+        }
+        out.append(row)
+        print(
+            f"  {n:5d} rows x {a.layers} layers: device idle {row['idle_ms']:7.3f}   "
+            f"after queued work {row['after_work_ms']:7.3f}"
+        )
+    return out
 
 
 if __name__ == "__main__":
