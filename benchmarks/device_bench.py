@@ -73,7 +73,7 @@ def main() -> int:
         return 2
     from vllm_kvguard.digest import DeviceDigestTable, KVPages
     from vllm_kvguard.digest import kernel as kernel_module
-    from vllm_kvguard.digest.kernel import SEAL, VERIFY, kvg64_reference
+    from vllm_kvguard.digest.kernel import kvg64_reference
     from vllm_kvguard.digest.syndrome import syndromes, width
 
     for flag, value, name in (
@@ -173,7 +173,7 @@ def main() -> int:
         "seal_num_warps": kernel_module.SEAL_NUM_WARPS,
     }
     if a.sweep:
-        result["sweep"] = sweep(a, table, pages, nbytes, sync, SEAL, VERIFY)
+        result["sweep"] = sweep(a, table, pages, nbytes, sync)
     if a.step_pages:
         result["step"] = step_calls(a, table, sync)
     if a.step_rows:
@@ -184,8 +184,10 @@ def main() -> int:
     return 0
 
 
-def sweep(a, table, pages, nbytes, sync, SEAL, VERIFY) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
+def sweep(a, table, pages, nbytes, sync) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
     """Raw launches (no settle) for each BLOCK x num_warps, interleaved, median GB/s."""
+    from vllm_kvguard.digest.kernel import SEAL, VERIFY
+
     geometry = pages.geometry
     ids = torch.arange(a.blocks, dtype=torch.int64, device=geometry.device)
     configs = {

@@ -324,9 +324,9 @@ class PageGeometry:
             raise ValueError("seal and verify need a digest table of shape (num_blocks, layers)")
         if pages == 0 or launched == 0:
             return out, flags
-        sealing = syndromes is not None
-        block = block or (SEAL_BLOCK_WORDS if sealing else BLOCK_WORDS)
-        num_warps = num_warps or (SEAL_NUM_WARPS if sealing else NUM_WARPS)
+        with_syndromes = syndromes is not None
+        block = block or (SEAL_BLOCK_WORDS if with_syndromes else BLOCK_WORDS)
+        num_warps = num_warps or (SEAL_NUM_WARPS if with_syndromes else NUM_WARPS)
         if block & (block - 1):
             raise ValueError("block must be a power of two")
         high_bits = 1
@@ -367,7 +367,7 @@ class PageGeometry:
             ZERO_NONFINITE=test is not None and zero_nonfinite,
             LANE_BITS=bits,
             WORDS=self.words,
-            SYNDROMES=syndromes is not None,
+            SYNDROMES=with_syndromes,
             BLOCK=block,
             LOG_BLOCK=block.bit_length() - 1,
             HIGH_BITS=high_bits,

@@ -56,6 +56,11 @@ def _table(*shape: int) -> torch.Tensor:
     return torch.zeros(shape, dtype=torch.int64, device=DEVICE).view(torch.uint64)
 
 
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8]
 
 
@@ -260,11 +265,6 @@ def test_device_table_defers_results_until_settled(kernel: ModuleType) -> None:
     assert (block, layer, flags) == (1, 1, kernel.MISMATCH)
 
 
-def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 def _reference_syndromes(t: torch.Tensor, blocks: list[int]) -> np.ndarray:
     """syndrome.py's numpy syndromes of the pages (their bytes in logical order), uint64."""
     raw = np.stack([np.frombuffer(p, dtype=np.uint8) for p in _pages(t, blocks)])
@@ -296,7 +296,7 @@ def test_seal_stores_the_syndromes_bit_for_bit(
     assert geometry.syndrome_block(block) == expected_block
     blocks = [4, 0, 2]
     words = width(geometry.page_bytes)
-    table, syn = _table(shape[1] if layout == "kv_first" else shape[0], 2), None
+    table = _table(shape[1] if layout == "kv_first" else shape[0], 2)
     syn = torch.full((*table.shape, words), -1, dtype=torch.int64, device=DEVICE)
     digests, _ = geometry.launch(_ids(blocks), mode=kernel.SEAL, table=table, syndromes=syn, block=block)
     host = syn.cpu().numpy().view(np.uint64)
