@@ -265,15 +265,23 @@ def step_calls(a, table, sync) -> list[dict[str, object]]:  # type: ignore[no-un
 
 def step_rows(a, caches, sync) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
     """The row digests of one step on the device (digest/rows.py, what the worker runs in
-    wait_for_save with VLLM_KVGUARD_ROWS on): host time of RowDigests.record for a step's rows,
-    with the device idle, and right after ~20 ms of queued device work (as after a forward): a
-    call that waits for the device takes about that much longer."""
+    wait_for_save with VLLM_KVGUARD_ROWS on), host time, with the device idle and right after
+    ~20 ms of queued device work (as after a forward): a call that waits for the device takes
+    about that much longer. Two ways side by side, interleaved: ``read back`` is RowDigests.record
+    (the digests copied to the host: what GPU workers ran before), ``on device`` is
+    DeviceRowDigests (what they run now): the step's record with the lost-write compare, plus
+    the check of the same number of earlier rows at seal, results left on the device; by the
+    row kernel (``kernel``, one launch a call) and by torch (``torch``, the fallback)."""
     import numpy as np
 
-    from vllm_kvguard.digest.rows import AxisRows, RowDigests
+    from vllm_kvguard.digest.kernel import RowGeometry
+    from vllm_kvguard.digest.rows import AxisRows, DeviceRowDigests, RowDigests
 
     tensors = [t.movedim(1, 0) for t in caches.values()]  # block-first: (blocks, 2, slots, heads, head)
-    rows = RowDigests(tensors, [AxisRows(t, 1) for t in tensors], a.blocks, a.block_size)
+    gathers = [AxisRows(t, 1) for t in tensors]
+    read_back = RowDigests(tensors, gathers, a.blocks, a.block_size)
+    by_torch = DeviceRowDigests(tensors, gathers, a.blocks, a.block_size)
+    by_kernel = DeviceRowDigests(tensors, gathers, a.blocks, a.block_size, RowGeometry(tensors, 1))
     side = 8192 if a.device == "cuda" else 64
     x = torch.randn((side, side), device=tensors[0].device, dtype=torch.bfloat16)
 
@@ -287,31 +295,50 @@ def step_rows(a, caches, sync) -> list[dict[str, object]]:  # type: ignore[no-un
     sync()
     busy_ms = (time.perf_counter() - t) * 1e3
     out = []
-    print(f"one step's row digests (RowDigests.record), host ms; queued work alone {busy_ms:.1f} ms:")
+    print(f"one step's row digests, host ms; queued work alone {busy_ms:.1f} ms:")
     for n in (int(v) for v in a.step_rows.split(",")):
         blocks = np.arange(n, dtype=np.int64) % a.blocks
         slots = (np.arange(n, dtype=np.int64) // a.blocks) % a.block_size
-        idle, after = [], []
+
+        def kernel_step(blocks: np.ndarray = blocks, slots: np.ndarray = slots) -> None:
+            by_kernel.record_async(blocks, slots, compare=True)
+            by_kernel.check_async(blocks, slots)
+
+        def torch_step(blocks: np.ndarray = blocks, slots: np.ndarray = slots) -> None:
+            by_torch.record_async(blocks, slots, compare=True)
+            by_torch.check_async(blocks, slots)
+
+        def read_back_step(blocks: np.ndarray = blocks, slots: np.ndarray = slots) -> None:
+            read_back.record(blocks, slots)
+
+        ways = {"read_back": read_back_step, "torch": torch_step, "kernel": kernel_step}
+        times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in ways}
+        for call in ways.values():  # build the kernel, warm the allocator
+            call()
         for _ in range(12):
-            sync()
-            t = time.perf_counter()
-            rows.record(blocks, slots)
-            idle.append(time.perf_counter() - t)
-            busy()
-            t = time.perf_counter()
-            rows.record(blocks, slots)
-            after.append(time.perf_counter() - t)
-            sync()
-        row = {
-            "rows": n,
-            "idle_ms": statistics.median(idle[2:]) * 1e3,
-            "after_work_ms": statistics.median(after[2:]) * 1e3,
-        }
-        out.append(row)
-        print(
-            f"  {n:5d} rows x {a.layers} layers: device idle {row['idle_ms']:7.3f}   "
-            f"after queued work {row['after_work_ms']:7.3f}"
-        )
+            for name, call in ways.items():
+                idle, after = times[name]
+                sync()
+                t = time.perf_counter()
+                call()
+                idle.append(time.perf_counter() - t)
+                busy()
+                t = time.perf_counter()
+                call()
+                after.append(time.perf_counter() - t)
+                sync()
+        for name, (idle, after) in times.items():
+            row = {
+                "way": name,
+                "rows": n,
+                "idle_ms": statistics.median(idle[2:]) * 1e3,
+                "after_work_ms": statistics.median(after[2:]) * 1e3,
+            }
+            out.append(row)
+            print(
+                f"  {name:9s} {n:5d} rows x {a.layers} layers: device idle {row['idle_ms']:7.3f}   "
+                f"after queued work {row['after_work_ms']:7.3f}"
+            )
     return out
 
 

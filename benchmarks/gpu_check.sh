@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The device path on a real GPU, in one run of at most about 8 minutes (issue 17):
+# The device path on a real GPU, in one run of at most about 10 minutes (issue 17):
 #   1. the KVG64 kernel cases (tests/unit/digest/kernel_cases.py) compiled for CUDA, bit for bit
 #      against the numpy reference, and the check that seal/verify never make the host wait;
 #   2. benchmarks/device_bench.py at the size of a real model (32 layers x 4096 blocks x 16
 #      tokens x 8 KV heads x 128, bf16: 8 GiB of pages), with the BLOCK x num_warps sweep;
-#   3. the same at fp16 and fp8 (no sweep).
+#   3. the same at fp16 and fp8 (no sweep);
+#   4. one step's row digests, host time with the device idle and behind queued work: read back
+#      to the host (as GPU workers did), kept on the device by torch, by the row kernel.
 # Needs python3 with torch (CUDA), Triton, numpy, xxhash and pytest; not vLLM, structlog or
 # prometheus-client (the kernel and benchmark modules import none of them). Run from the
 # repository root:  bash benchmarks/gpu_check.sh [OUTDIR]   (default: $OUT, else /tmp/gpu_check)
@@ -53,5 +55,7 @@ fi
 step bench_fp16 50 "$py" benchmarks/device_bench.py --layers 32 --blocks 4096 --dtype float16 --repeats 5
 step bench_fp8 50 "$py" benchmarks/device_bench.py --layers 32 --blocks 4096 --dtype float8_e4m3fn \
     --repeats 5
+step step_rows 120 "$py" benchmarks/device_bench.py --layers 32 --blocks 4096 --dtype bfloat16 --repeats 3 \
+    --step-rows 16,128,1024 --json "$out/step_rows.json"
 grep -q "exit [^0]" "$summary" && exit 1
 exit 0

@@ -173,3 +173,81 @@ def test_scrub_pages_share_the_hits_launch_and_keep_their_trigger(tiny_model: st
             core.step()
         assert _text(llm, PROMPT, 16) == reference
         assert len(events(log, "kv_block_corrupted")) == 1
+
+
+@pytest.fixture
+def rows_on_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU worker's row digests (DeviceRowDigests: kept, compared and read back like the
+    device seals) on this CPU engine: the same rows, gathered through the CPU layout's element
+    map, with the host's XXH3 path and the written-rows shortcut off. In-process engines only."""
+    from vllm_kvguard.connector import patches
+    from vllm_kvguard.connector.worker import KVGuardWorker
+    from vllm_kvguard.digest.rows import DeviceRowDigests
+
+    original = KVGuardWorker._row_digests
+
+    def forced(self: KVGuardWorker, kv_caches: dict[str, Any], first: Any) -> str:
+        how = original(self, kv_caches, first)
+        assert self.rows is not None and self.pages is not None and self.pages.deferred, how
+        self.rows = DeviceRowDigests(
+            self.pages.tensors, self.rows.gathers, self.pages.num_blocks, self.block_size
+        )
+        self.written = None
+        patches.observe_cpu_kv_writes(None)
+        return f"{how}; kept on the device (test)"
+
+    monkeypatch.setattr(KVGuardWorker, "_row_digests", forced)
+
+
+@pytest.mark.parametrize("mode", ["quarantine", "log"])
+def test_rows_on_the_device_catch_an_unfilled_page_changed_before_its_seal(
+    tiny_model: str, tmp_path: Path, mode: str, rows_on_device: None, first_reads: list[set[str]]
+) -> None:
+    """tests/engine/test_unfilled.py's laundering workload (control there: the fault changes
+    V's and W's text) with the row digests on the device. The seal-time check is read with the
+    step's output, not before the seal: the page is sealed, its seal voided on the device, and
+    the finding reaches vLLM in the same step as on the host path."""
+    from tests.engine.harness import affected_once, honest
+    from tests.engine.test_unfilled import WRITTEN, _laundering
+    from vllm_kvguard import KVCacheCorruptionError
+
+    log = tmp_path / "guard.jsonl"
+    with engine(tiny_model, guard_env(mode, log, **KVG64, **INPROC)) as llm:
+        r = _laundering(llm)
+    (started,) = [e for e in events(log, "kvguard_started") if e.get("role") == "worker"]
+    assert started["details"]["row_digests"].endswith("kept on the device (test)")
+    found = [e for e in events(log, "kv_block_corrupted") if e["block_id"] == r["block"]]
+    assert found, "the corrupted unfilled page is reported"
+    first = found[0]
+    assert first["shape"] == "unfilled_rows" and first["where"]["slots"] == list(range(WRITTEN))
+    assert first["trigger"] == "seal" and first["layer"] == "all"
+    assert honest(r["v"], r["clean_v"]) and honest(r["w"], r["clean_w"])
+    outcomes = affected_once(log)
+    # No hook waited for a device result (row checks included).
+    assert first_reads and all("before_output" in stack and not stack & HOOKS for stack in first_reads)
+    if mode == "quarantine":
+        assert outcomes["v"] == "failed" and first["action"] in ("recomputed", "requests_failed")
+        assert r["w"].outputs[0].text == r["clean_w"] and set(outcomes) == {"v"}
+    else:
+        # Kept in the prefix cache (log mode changes nothing): W's hit on it is flagged.
+        assert outcomes["v"] == "suspect" and r["w_hits"] >= 4 * 32
+        assert [o for rid, o in outcomes.items() if rid != "v"] == ["suspect"]
+        assert str(r["w"].outputs[0].stop_reason).startswith(KVCacheCorruptionError.PREFIX)
+
+
+def test_rows_on_the_device_find_a_write_that_never_landed(
+    tiny_model: str, tmp_path: Path, rows_on_device: None
+) -> None:
+    """tests/engine/test_unfilled.py's lost-write workload (control there) with the row digests
+    on the device: the lost-write compare is read with the step's output; recomputed, clean."""
+    from tests.engine.harness import affected_once
+    from tests.engine.test_unfilled import LOST, _lost_write
+
+    log = tmp_path / "guard.jsonl"
+    with engine(tiny_model, guard_env("quarantine", log, **KVG64, **INPROC), **LOST) as llm:
+        r = _lost_write(llm)
+    assert r["dropped"] > 0
+    found = events(log, "kv_block_write_lost")
+    assert found and all(line["request_ids"][0].startswith("second") and line["slots"] for line in found)
+    assert found[0]["action"] == "recomputed"
+    assert r["out"].outputs[0].text == r["clean"] and affected_once(log) == {"second": "healed"}

@@ -18,6 +18,7 @@ from vllm_kvguard.core.counters import GuardCounters
 from vllm_kvguard.core.events import Detection
 from vllm_kvguard.core.faults import Injection
 from vllm_kvguard.core.ledger import StepPlan
+from vllm_kvguard.core.shapes import Shape
 from vllm_kvguard.digest import PendingCheck
 from vllm_kvguard.digest.kernel import MISMATCH, NONFINITE
 
@@ -115,6 +116,143 @@ class DeviceCheck:
         return {d.block_id for d in self.settle()}
 
 
+def row_detections(
+    rank: int,
+    blocks: np.ndarray,
+    slots: np.ndarray,
+    bad: np.ndarray,
+    expected: np.ndarray,
+    actual: np.ndarray,
+    readers: dict[int, list[str]],
+    trigger: str,
+    step: int,
+) -> list[Detection]:
+    """One ``partial_mismatch`` detection per block among the rows ``bad`` (indices into
+    blocks/slots, ascending) whose digest changed since it was recorded; ``expected``/``actual``
+    line up with ``bad``. ``blocks``/``slots`` are every written row of the blocks checked."""
+    found: dict[int, list[tuple[int, int]]] = {}
+    for k, i in enumerate(bad.tolist()):
+        found.setdefault(int(blocks[i]), []).append((int(slots[i]), k))
+    out = []
+    for block, entries in found.items():
+        k = entries[0][1]
+        where: dict[str, object] = {
+            "slots": [s_ for s_, _ in entries],
+            "rows_written": int(np.count_nonzero(blocks == block)),
+        }
+        out.append(
+            Detection(
+                rank,
+                block,
+                "all",
+                int(expected[k]),
+                int(actual[k]),
+                tuple(readers.get(block, ())),
+                trigger,
+                step,
+                "partial_mismatch",
+                shape=str(Shape.UNFILLED_ROWS),
+                where=where,
+            )
+        )
+    return out
+
+
+def lost_write_detections(
+    rank: int, blocks: np.ndarray, slots: np.ndarray, digests: np.ndarray, step: int
+) -> list[Detection]:
+    """One ``write_lost`` detection per block among these rows (each read back, after the
+    forward that wrote it, as the block's previous owner's; ``digests`` line up with them)."""
+    found: dict[int, list[int]] = {}
+    first: dict[int, int] = {}
+    for i, (b, s_) in enumerate(zip(blocks.tolist(), slots.tolist(), strict=True)):
+        found.setdefault(b, []).append(s_)
+        first.setdefault(b, i)
+    return [
+        Detection(
+            rank,
+            block,
+            "all",
+            int(digests[first[block]]),
+            int(digests[first[block]]),
+            (),
+            "write",
+            step,
+            "write_lost",
+            shape=str(Shape.STALE),
+            where={"slots": lost},
+        )
+        for block, lost in found.items()
+    ]
+
+
+@dataclass
+class DeviceRowCheck:
+    """Row digests compared on the device (:class:`DeviceRowDigests`): what :class:`DeviceCheck`
+    is to pages, for the rows of pages still being written. ``kind`` "partial_mismatch" (rows
+    that changed since recorded: checked at seal, by sampled/paranoid reads, by scrub) or
+    "write_lost" (rows just written that read as the previous owner's, kept where ``lost`` says
+    the previous owner computed something else there)."""
+
+    check: PendingCheck
+    rank: int
+    blocks: np.ndarray
+    slots: np.ndarray
+    trigger: str
+    step: int
+    readers: dict[int, list[str]]
+    kind: str
+    report_invalid: bool
+    lost: np.ndarray | None = None
+    error: str | None = None
+    _detections: list[Detection] | None = field(default=None, repr=False)
+
+    @property
+    def settled(self) -> bool:
+        return self._detections is not None
+
+    def ready(self) -> bool:
+        return self.settled or self.check.ready()
+
+    def settle(self) -> list[Detection]:
+        """The flagged rows as detections, one per block (waits for the device if it must);
+        fails open as :meth:`DeviceCheck.settle` does."""
+        if self._detections is None:
+            try:
+                flagged = self.check.settle()
+                rows = np.asarray([r for r, *_ in flagged], dtype=np.int64)
+                actual = np.asarray([a for *_, a, _ in flagged], dtype=np.uint64)
+                if self.kind == "write_lost":
+                    keep = self.lost[rows] if self.lost is not None else np.ones(len(rows), dtype=bool)
+                    rows, actual = rows[keep], actual[keep]
+                    self._detections = lost_write_detections(
+                        self.rank, self.blocks[rows], self.slots[rows], actual, self.step
+                    )
+                else:
+                    expected = np.asarray([e for *_, e in flagged], dtype=np.uint64)
+                    self._detections = row_detections(
+                        self.rank,
+                        self.blocks,
+                        self.slots,
+                        rows,
+                        expected,
+                        actual,
+                        self.readers,
+                        self.trigger,
+                        self.step,
+                    )
+            except Exception as exc:
+                self.error = f"settle device row check ({self.trigger}): {exc!r}"
+                self._detections = []
+        return self._detections
+
+    def invalid(self) -> set[int]:
+        """Blocks to report unreadable to vLLM (pages whose written rows changed)."""
+        if not self.report_invalid or self.kind != "partial_mismatch":
+            return set()
+        return {d.block_id for d in self.settle()}
+
+
 @dataclass
 class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler, once per step that has something to say; merged over ranks."""
@@ -130,7 +268,7 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
     # ran (device checks, settled with the step's output); see KVGuardScheduler.before_output().
     invalid: set[int] = field(default_factory=set)
     # Device checks of this step, still on the device (never pickled: settled first).
-    pending: list[DeviceCheck] = field(default_factory=list)
+    pending: list[DeviceCheck | DeviceRowCheck] = field(default_factory=list)
     # Set by the scheduler side once it has acted on this output (it is offered twice:
     # before vLLM handles the step, and in update_connector_output).
     handled: bool = False

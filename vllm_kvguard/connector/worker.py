@@ -23,14 +23,29 @@ import torch
 
 from vllm_kvguard.config import HashAlgorithm, KVGuardConfig, Mode, VerifyPolicy
 from vllm_kvguard.connector import patches
-from vllm_kvguard.connector.metadata import DeviceCheck, KVGuardMetadata, KVGuardWorkerMetadata
+from vllm_kvguard.connector.metadata import (
+    DeviceCheck,
+    DeviceRowCheck,
+    KVGuardMetadata,
+    KVGuardWorkerMetadata,
+    lost_write_detections,
+    row_detections,
+)
 from vllm_kvguard.core.counters import GuardCounters
 from vllm_kvguard.core.events import Detection, GuardStarted
 from vllm_kvguard.core.faults import FaultKind, FaultSite, Injection
 from vllm_kvguard.core.shapes import Shape, classify
 from vllm_kvguard.digest import DeviceDigestTable, DigestTable, KVPages, PendingCheck
-from vllm_kvguard.digest.kernel import kernel_available
-from vllm_kvguard.digest.rows import AxisRows, HostRows, PackedRows, RowAccess, RowDigests
+from vllm_kvguard.digest.kernel import RowGeometry, kernel_available
+from vllm_kvguard.digest.rows import (
+    AxisRows,
+    DeviceRowDigests,
+    HostRows,
+    PackedRows,
+    RowAccess,
+    RowCheck,
+    RowDigests,
+)
 from vllm_kvguard.digest.syndrome import locate, page_words, syndromes
 from vllm_kvguard.logs import GuardLog
 
@@ -235,7 +250,7 @@ class KVGuardWorker:
         self._read_seconds = 0.0
         # Device checks whose worker-side effect (forgetting bad seals) has not run yet;
         # the step's checks also travel in the worker metadata, settled with its output.
-        self._unsettled: list[DeviceCheck] = []
+        self._unsettled: list[DeviceCheck | DeviceRowCheck] = []
 
     def internal_error(self, where: str, exc: Exception) -> None:
         """A hook failed (fail-open): logged here, counted by the scheduler."""
@@ -340,6 +355,21 @@ class KVGuardWorker:
                 gathers = [AxisRows(t, axis) for t in self.pages.tensors]
                 host = None
                 how = f"on (slot axis {axis})"
+                if self.pages.deferred:
+                    # Beside the device seals: recorded and compared there, read with the output.
+                    why = ""
+                    try:
+                        geometry: RowGeometry | None = RowGeometry(self.pages.tensors, axis)
+                    except ValueError as exc:  # torch reads such rows: the same digests
+                        geometry, why = None, str(exc)
+                    rows = DeviceRowDigests(self.pages.tensors, gathers, self.pages.num_blocks, bs, geometry)
+                    if geometry is not None:
+                        why = rows.try_kernel() or ""
+                    self.rows = rows
+                    how += ", kept on the device, " + (
+                        f"torch ({why})" if why else "one kernel launch a call"
+                    )
+                    return f"{how}, {rows.row_bytes} bytes a row"
             self.rows = RowDigests(self.pages.tensors, gathers, self.pages.num_blocks, bs, host)
         except Exception as exc:  # the guard runs on without them, and says why
             self.rows = None
@@ -386,7 +416,7 @@ class KVGuardWorker:
             if meta.inject:
                 self._snapshot_lost(meta)
             if len(plan.written_blocks):
-                self.rows.rows[plan.written_blocks, plan.written_slots] = 0
+                self.rows.clear(plan.written_blocks, plan.written_slots)
                 if self.written is not None:
                     self.written.begin()
         if meta.zero:
@@ -429,6 +459,33 @@ class KVGuardWorker:
             self._read_seconds = 0.0
             self.counters.add("verified", len(self._read_blocks), label=meta.read_trigger)
 
+    def _defer_rows(
+        self,
+        check: RowCheck | None,
+        meta: KVGuardMetadata,
+        blocks: np.ndarray,
+        slots: np.ndarray,
+        trigger: str,
+        kind: str = "partial_mismatch",
+    ) -> None:
+        """Keep a device row check for the step's output, as :meth:`_defer` does a page check."""
+        if check is None:
+            return
+        deferred = DeviceRowCheck(
+            check.pending,
+            self.rank,
+            blocks,
+            slots,
+            trigger,
+            meta.step,
+            meta.plan.readers if kind == "partial_mismatch" else {},
+            kind,
+            self.config.mode != Mode.LOG,
+            lost=meta.lost_write_rows if kind == "write_lost" else None,
+        )
+        self._worker_meta().pending.append(deferred)
+        self._unsettled.append(deferred)
+
     def _defer(
         self, check: PendingCheck | None, trigger: str, step: int, readers: dict[int, list[str]], kind: str
     ) -> DeviceCheck | None:
@@ -454,13 +511,33 @@ class KVGuardWorker:
             if not (wait or deferred.ready()):
                 keep.append(deferred)
                 continue
-            for d in deferred.settle():
+            found = deferred.settle()
+            if isinstance(deferred, DeviceRowCheck):
+                self._settled_rows(deferred, found)
+                continue
+            for d in found:
                 if d.kind == "checksum_mismatch":
                     self._diagnose_late(d)
             bad = deferred.invalid()
             if bad:
                 self.table.forget(sorted(bad))
         self._unsettled = keep
+
+    def _settled_rows(self, deferred: DeviceRowCheck, found: list[Detection]) -> None:
+        """What :meth:`_row_findings` does at once on the host, for rows checked on the device:
+        the pages whose rows changed lose any seal (one taken this step over the changed rows was
+        voided on the device until now), stay flagged for later readers in log mode, and
+        their rows are forgotten outside it."""
+        assert self.table is not None and self.rows is not None
+        if deferred.kind != "partial_mismatch" or not found:
+            return
+        blocks = sorted({d.block_id for d in found})
+        self.table.forget(blocks)
+        if deferred.trigger == "seal":
+            for d in found:
+                self._tainted[d.block_id] = d.where
+        if self.config.mode != Mode.LOG:
+            self.rows.forget(blocks)
 
     def _diagnose_late(self, d: Detection) -> None:
         assert self.pages is not None
@@ -565,11 +642,16 @@ class KVGuardWorker:
             return set()
         start = time.perf_counter()
         blocks, slots = self.rows.written(block_ids)
-        bad = self.rows.check(blocks, slots)
-        self.counters.add("verified", len(set(blocks.tolist())), label=trigger)
+        if isinstance(self.rows, DeviceRowDigests):
+            self._defer_rows(self.rows.check_async(blocks, slots), meta, blocks, slots, trigger)
+            self._worker_meta().verified_steps.add(meta.step)
+            found: set[int] = set()
+        else:
+            found = self._row_findings(meta, blocks, slots, self.rows.check(blocks, slots), trigger)
+        self.counters.add("verified", len(np.unique(blocks)), label=trigger)
         self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="verify")
         self.counters.observe("verify_seconds", time.perf_counter() - start)
-        return self._row_findings(meta, blocks, slots, bad, trigger)
+        return found
 
     def _row_findings(
         self, meta: KVGuardMetadata, blocks: np.ndarray, slots: np.ndarray, bad: np.ndarray, trigger: str
@@ -581,33 +663,15 @@ class KVGuardWorker:
         if not len(bad):
             return set()
         actual = self.rows.hash(blocks[bad], slots[bad])
-        found: dict[int, list[tuple[int, int]]] = {}
-        for k, i in enumerate(bad.tolist()):
-            found.setdefault(int(blocks[i]), []).append((int(slots[i]), k))
-        for block, entries in found.items():
-            slot, k = entries[0]
-            where: dict[str, object] = {
-                "slots": [s_ for s_, _ in entries],
-                "rows_written": int(np.count_nonzero(self.rows.rows[block])),
-            }
-            out.detections.append(
-                Detection(
-                    self.rank,
-                    block,
-                    "all",
-                    int(self.rows.rows[block, slot]),
-                    int(actual[k]),
-                    tuple(meta.plan.readers.get(block, ())),
-                    trigger,
-                    meta.step,
-                    "partial_mismatch",
-                    shape=str(Shape.UNFILLED_ROWS),
-                    where=where,
-                )
-            )
-            if trigger == "seal":
-                # Never sealed: in log mode its later readers are still told (_tainted_hits).
-                self._tainted[block] = where
+        expected = self.rows.rows[blocks[bad], slots[bad]]
+        detections = row_detections(
+            self.rank, blocks, slots, bad, expected, actual, meta.plan.readers, trigger, meta.step
+        )
+        out.detections.extend(detections)
+        found = {d.block_id: d.where for d in detections}
+        if trigger == "seal":
+            # Never sealed: in log mode its later readers are still told (_tainted_hits).
+            self._tainted.update(found)
         if self.config.mode != Mode.LOG:
             self._invalid.update(found)
             self.rows.forget(list(found))
@@ -780,7 +844,10 @@ class KVGuardWorker:
         # Which pages being sealed hold NaN/Inf, found on the rows gathered for their row digests
         # (covered: every slot's row tested); the others are tested at the seal below.
         known: tuple[np.ndarray, np.ndarray] | None = None
-        if self.rows is not None:
+        void: RowCheck | None = None
+        if isinstance(self.rows, DeviceRowDigests):
+            void = self._rows_on_device(meta, seal)
+        elif self.rows is not None:
             seal, known = self._rows_after_forward(meta, seal)
         for injection in filling:
             if not self._corrupt_rows(injection):
@@ -793,6 +860,7 @@ class KVGuardWorker:
                 seal,
                 check_finite=check_finite,
                 zero_nonfinite=check_finite and self.config.nonfinite_mode != Mode.LOG,
+                void=(void.blocks, void.flagged) if void is not None else None,
             )
             self._defer(check, "seal", meta.step, {}, "nonfinite")
             self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
@@ -816,6 +884,31 @@ class KVGuardWorker:
         for injection in at_rest:
             if not self._inject(injection):
                 self._worker_meta().unchanged_faults.append(injection.fault_id)
+
+    def _rows_on_device(self, meta: KVGuardMetadata, seal: list[int]) -> RowCheck | None:
+        """:meth:`_rows_after_forward` where the row digests live on the device: the same
+        checks, compared there and read with the step's output (nothing here waits for the
+        forward). Every page is sealed; the check of the rows earlier steps wrote to the pages
+        being sealed is returned for the seal to void those with a changed row."""
+        assert isinstance(self.rows, DeviceRowDigests)
+        plan = meta.plan
+        start = time.perf_counter()
+        at_seal = None
+        if seal:
+            blocks, slots = self.rows.written(seal)
+            at_seal = self.rows.check_async(blocks, slots)
+            self._defer_rows(at_seal, meta, blocks, slots, "seal")
+            self._worker_meta().verified_steps.add(meta.step)
+            self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
+        if len(plan.written_blocks):
+            blocks = np.asarray(plan.written_blocks, dtype=np.int64)
+            slots = np.asarray(plan.written_slots, dtype=np.int64)
+            lost = bool(meta.lost_write_rows.any())
+            recorded = self.rows.record_async(blocks, slots, compare=lost)
+            self._defer_rows(recorded, meta, blocks, slots, "write", kind="write_lost")
+            self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
+        self.counters.observe("verify_seconds", time.perf_counter() - start)
+        return at_seal
 
     def _rows_after_forward(
         self, meta: KVGuardMetadata, seal: list[int]
@@ -925,26 +1018,10 @@ class KVGuardWorker:
 
     def _lost_writes(self, meta: KVGuardMetadata, blocks: np.ndarray, slots: np.ndarray) -> None:
         assert self.rows is not None
-        found: dict[int, list[int]] = {}
-        for b, s_ in zip(blocks.tolist(), slots.tolist(), strict=True):
-            found.setdefault(b, []).append(s_)
-        for block, lost in found.items():
-            digest = int(self.rows.rows[block, lost[0]])
-            self._worker_meta().detections.append(
-                Detection(
-                    self.rank,
-                    block,
-                    "all",
-                    digest,
-                    digest,
-                    (),
-                    "write",
-                    meta.step,
-                    "write_lost",
-                    shape=str(Shape.STALE),
-                    where={"slots": lost},
-                )
-            )
+        digests = self.rows.rows[blocks, slots]
+        self._worker_meta().detections.extend(
+            lost_write_detections(self.rank, blocks, slots, digests, meta.step)
+        )
 
     # -------------------------------------------------------- fire drills on written rows
 
@@ -979,7 +1056,7 @@ class KVGuardWorker:
         now = self.rows.snapshot(blocks, slots)
         if (
             injection.block_id in self._invalid  # reported bad this step: rewritten next step
-            or not self.rows.previous[injection.block_id, slots].any()
+            or not self.rows.had_previous(injection.block_id, slots)
             or all(torch.equal(a, b) for a, b in zip(now, rows, strict=True))
         ):
             self._worker_meta().unchanged_faults.append(injection.fault_id)
@@ -1090,6 +1167,5 @@ class KVGuardWorker:
             dropped = int(self.table.sealed.sum())
             self.table.forget(np.flatnonzero(self.table.sealed).tolist())
             if self.rows is not None:
-                self.rows.rows[:] = 0
-                self.rows.previous[:] = 0
+                self.rows.reset()
             self.log.line("kvguard_seals_dropped", reason="kv_cache_unregistered", pages=dropped)

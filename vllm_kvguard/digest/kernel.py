@@ -25,6 +25,7 @@ CPU, which is how CI checks the kernel bit for bit against the reference).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -198,6 +199,62 @@ if triton is not None:
             flag = flag | ((tl.max(bad, axis=0) != 0).to(tl.int8) * 2)
         tl.store(flags_ptr + page * launched + slot, flag)
 
+    @triton.jit
+    def _row_kernel(  # type: ignore[no-untyped-def]
+        base_ptr,  # uint8: the first layer's whole storage (as in _kvg64_kernel)
+        layer_origins_ptr,  # int64 [layers]: byte offset of each layer's block 0 from base_ptr
+        block_ids_ptr,  # int64 [rows]
+        slot_ids_ptr,  # int64 [rows]
+        run_offsets_ptr,  # int64 [runs]: byte offset in a page of each run of a row, at slot 0
+        table_ptr,  # uint64 [num_blocks x block_size]: the rows' digests (RECORD writes, CHECK reads)
+        previous_ptr,  # uint64 [num_blocks x block_size]: the previous owner's (RECORD reads)
+        out_ptr,  # uint64 [rows]: the digests computed
+        other_ptr,  # uint64 [rows]: RECORD the previous owner's digest, CHECK the recorded one
+        flags_ptr,  # uint8 [rows]: RECORD equal to a previous owner's row, CHECK changed
+        num_layers,
+        num_runs,
+        run_words,  # 8-byte words in each run
+        page_stride,  # bytes between blocks
+        slot_stride,  # bytes between slots
+        block_size,
+        MODE: tl.constexpr,  # 0 digest, 1 record, 2 check
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        block = tl.load(block_ids_ptr + row)
+        slot = tl.load(slot_ids_ptr + row)
+        lanes = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.uint64)
+        slot_key = slot.to(tl.uint64) * 0x165667B19E3779F9
+        first_word = block * 0  # int64 zero: the row's word index of the run's first word
+        for layer in range(num_layers):
+            start = tl.load(layer_origins_ptr + layer) + block * page_stride + slot * slot_stride
+            for r in range(num_runs):
+                words_ptr = (base_ptr + start + tl.load(run_offsets_ptr + r)).to(tl.pointer_type(tl.uint64))
+                for w in range(0, run_words, BLOCK):
+                    index = w + lanes
+                    live = index < run_words
+                    x = tl.load(words_ptr + index, mask=live, other=0)
+                    key = (first_word + index + 1).to(tl.uint64) * 0x27D4EB2F165667C5 + slot_key
+                    a = key + x * 0xC2B2AE3D27D4EB4F
+                    a = (a << 31) | (a >> 33)
+                    a = _avalanche_tl(a * 0x9E3779B185EBCA87)
+                    acc += tl.where(live, a, 0)
+                first_word += run_words
+        digest = _avalanche_tl(tl.sum(acc, axis=0))
+        digest = tl.where(digest == 0, 1, digest).to(tl.uint64)  # 0 marks an unwritten slot
+        entry = block * block_size + slot
+        tl.store(out_ptr + row, digest)
+        if MODE == 1:
+            previous = tl.load(previous_ptr + entry)
+            tl.store(table_ptr + entry, digest)
+            tl.store(other_ptr + row, previous)
+            tl.store(flags_ptr + row, ((digest == previous) & (previous != 0)).to(tl.uint8))
+        if MODE == 2:
+            recorded = tl.load(table_ptr + entry)
+            tl.store(other_ptr + row, recorded)
+            tl.store(flags_ptr + row, (digest != recorded).to(tl.uint8))
+
 
 def kernel_available(device: torch.device) -> bool:
     """Whether the kernel can run for tensors on ``device`` (a GPU, or the interpreter)."""
@@ -242,16 +299,7 @@ class PageGeometry:
         first = tensors[0]
         self.device = first.device
         self.dtype = first.dtype
-        elsize = first.element_size()
-        self.page_stride = first.stride(0) * elsize
-        for t in tensors[1:]:
-            if t.dtype != first.dtype or t.stride(0) * elsize != self.page_stride or t.device != self.device:
-                raise ValueError("one launch needs layers of one dtype, block stride and device")
-        storage = first.untyped_storage()
-        self.base = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
-            storage, 0, (storage.nbytes(),), (1,)
-        )
-        origins = [t.data_ptr() - storage.data_ptr() for t in tensors]
+        self.base, origins, self.page_stride = _layers_from_one_base(tensors)
         self.num_layers = len(tensors)
         self.origins = torch.tensor(origins, dtype=torch.int64, device=self.device)
         self._cols: dict[tuple[int, ...] | None, torch.Tensor] = {
@@ -374,6 +422,114 @@ class PageGeometry:
             **tuning,
         )
         return out, flags
+
+
+def _layers_from_one_base(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int], int]:
+    """(the first layer's whole storage as uint8, each layer's byte offset from it, bytes between
+    blocks): how one launch addresses every layer. The layers must share dtype, block stride
+    and device."""
+    first = tensors[0]
+    elsize = first.element_size()
+    page_stride = first.stride(0) * elsize
+    for t in tensors[1:]:
+        if t.dtype != first.dtype or t.stride(0) * elsize != page_stride or t.device != first.device:
+            raise ValueError("one launch needs layers of one dtype, block stride and device")
+    storage = first.untyped_storage()
+    base = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, 0, (storage.nbytes(),), (1,))
+    return base, [t.data_ptr() - storage.data_ptr() for t in tensors], page_stride
+
+
+RECORD, CHECK = 1, 2
+ROW_BLOCK_WORDS = 256
+
+
+class RowGeometry:
+    """Where every layer keeps the row (block, slot) of its pages, for one row-digest launch
+    (digest/rows.py's device digests, computed by :func:`_row_kernel` instead of ~20 torch ops
+    and a gather per layer).
+
+    ``tensors`` are block-first with the same page layout; page dimension ``axis`` indexes
+    slots. A row is what ``AxisRows`` gathers: for each index of the page dimensions before
+    ``axis`` (a run), the dimensions after it, which must be contiguous and whole 8-byte words.
+    Raises ValueError where they are not (the torch path reads such rows)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], axis: int) -> None:
+        if triton is None:
+            raise RuntimeError("the row kernel needs Triton")
+        first = tensors[0]
+        elsize = first.element_size()
+        shape, strides = tuple(first.shape[1:]), tuple(first.stride()[1:])
+        inner = shape[axis + 1 :]
+        expected = 1
+        for n, stride in zip(reversed(inner), reversed(strides[axis + 1 :]), strict=True):
+            if n > 1 and stride != expected:
+                raise ValueError("the dimensions after the slot axis are not contiguous")
+            expected *= n
+        run_bytes = expected * elsize
+        outer = [range(n) for n in shape[:axis]]
+        offsets = [
+            sum(i * st for i, st in zip(index, strides[:axis], strict=True)) * elsize
+            for index in itertools.product(*outer)
+        ]
+        self.base, origins, self.page_stride = _layers_from_one_base(tensors)
+        self.slot_stride = strides[axis] * elsize
+        if any(v % 8 for v in (run_bytes, self.page_stride, self.slot_stride, *offsets, *origins)):
+            raise ValueError("rows must be whole 8-byte words at 8-byte offsets")
+        self.device = first.device
+        self.num_layers = len(tensors)
+        self.origins = torch.tensor(origins, dtype=torch.int64, device=self.device)
+        self.offsets = torch.tensor(offsets, dtype=torch.int64, device=self.device)
+        self.num_runs = len(offsets)
+        self.run_words = run_bytes // 8
+        self.block_size = shape[axis]
+
+    def launch(
+        self,
+        blocks: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        mode: int = DIGEST,
+        table: torch.Tensor | None = None,
+        previous: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One launch over the rows (blocks[i], slots[i]) (int64, on the device). Returns
+        ``(digests, other, flags)`` on the device, not synchronised: int64 digests (bit for bit
+        :func:`vllm_kvguard.digest.rows.row_digests_reference`), and for ``mode`` RECORD (stores
+        the digests into ``table``, int64 [num_blocks x block_size]) the ``previous`` table's
+        entries and whether each row equals it (and it is not 0); for CHECK the ``table``'s
+        entries and whether each row differs from it."""
+        n = int(blocks.numel())
+        if (mode != DIGEST and table is None) or (mode == RECORD and previous is None):
+            raise ValueError("record needs both tables, check the table")
+        # RECORD and CHECK write every entry; a plain digest leaves other and flags zero.
+        fill = torch.empty if mode != DIGEST else torch.zeros
+        out = torch.empty(n, dtype=torch.int64, device=self.device)
+        other = fill(n, dtype=torch.int64, device=self.device)
+        flags = fill(n, dtype=torch.uint8, device=self.device)
+        if n == 0:
+            return out, other, flags
+        table_u = table.view(torch.uint64) if table is not None else out.view(torch.uint64)
+        _row_kernel[(n,)](
+            self.base,
+            self.origins,
+            blocks,
+            slots,
+            self.offsets,
+            table_u,
+            previous.view(torch.uint64) if previous is not None else table_u,
+            out.view(torch.uint64),
+            other.view(torch.uint64),
+            flags,
+            self.num_layers,
+            self.num_runs,
+            self.run_words,
+            self.page_stride,
+            self.slot_stride,
+            self.block_size,
+            MODE=mode,
+            BLOCK=ROW_BLOCK_WORDS,
+        )
+        return out, other, flags
 
 
 def kvg64_pages(

@@ -138,9 +138,19 @@ class DeviceDigestTable(DigestTable):
         return host, ids.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids
 
     def seal_async(
-        self, block_ids: Sequence[int], *, check_finite: bool = False, zero_nonfinite: bool = False
+        self,
+        block_ids: Sequence[int],
+        *,
+        check_finite: bool = False,
+        zero_nonfinite: bool = False,
+        void: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> PendingCheck | None:
-        """Seal the pages; flags NaN/Inf when ``check_finite`` (else nothing to read back)."""
+        """Seal the pages; flags NaN/Inf when ``check_finite`` (else nothing to read back).
+
+        ``void``: (block id, flagged) of rows checked on the device just before (row digests,
+        :class:`DeviceRowDigests`): a page with a flagged row gets a seal its bytes cannot match (its
+        digest inverted), in stream order, so any read of it before the host learns of the
+        finding fails verification instead of passing against a seal taken over changed data."""
         if not len(block_ids):
             return None
         geometry = self.pages.geometry
@@ -158,8 +168,18 @@ class DeviceDigestTable(DigestTable):
             zero_nonfinite=zero_nonfinite,
             syndromes=self.device_syndromes if self.fused_syndromes else None,
         )
+        if void is not None:
+            self._void(ids, *void)
         self.sealed[host] = True
         return PendingCheck(block_ids, flags, digests, None) if check_finite else None
+
+    def _void(self, ids: torch.Tensor, row_blocks: torch.Tensor, flagged: torch.Tensor) -> None:
+        hits = torch.zeros(self.pages.num_blocks, dtype=torch.int32, device=ids.device)
+        hits.index_add_(0, row_blocks, flagged.to(torch.int32))
+        voided = hits.index_select(0, ids) > 0
+        table = self.device_digests.view(torch.int64)
+        seals = table.index_select(0, ids)
+        table.index_copy_(0, ids, torch.where(voided[:, None], ~seals, seals))
 
     def verify_async(self, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> PendingCheck:
         """Compare the pages with their seals on the device (all layers, or ``layers``)."""

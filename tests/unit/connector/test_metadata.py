@@ -151,3 +151,79 @@ def test_a_failed_read_back_is_kept_and_reported_once() -> None:
     meta.settle()
     meta.settle()
     assert len(meta.internal_errors) == 1 and meta.detections == []
+
+
+def _rows(flags: list[int], actual: list[int], expected: list[int]) -> PendingCheck:
+    """A device row check's results: one line per row, the row's place standing as its id."""
+    return PendingCheck(
+        range(len(flags)),
+        torch.tensor(flags, dtype=torch.uint8)[:, None],
+        torch.tensor(actual, dtype=torch.int64)[:, None],
+        torch.tensor(expected, dtype=torch.int64)[:, None],
+    )
+
+
+def test_changed_rows_settle_into_one_detection_per_block_with_their_slots() -> None:
+    import numpy as np
+
+    from vllm_kvguard.connector.metadata import DeviceRowCheck
+
+    blocks, slots = np.array([4, 4, 4, 9, 9]), np.array([0, 1, 2, 5, 6])
+    check = _rows([0, 1, 1, 0, 1], [1, 20, 21, 3, 40], [1, 2, 3, 3, 4])
+    deferred = DeviceRowCheck(check, 2, blocks, slots, "seal", 8, {9: ["req-b"]}, "partial_mismatch", True)
+    meta = KVGuardWorkerMetadata(pending=[deferred])
+    meta.settle()
+    four, nine = meta.detections
+    assert (four.block_id, four.layer, four.expected, four.actual, four.kind) == (
+        4,
+        "all",
+        2,
+        20,
+        "partial_mismatch",
+    )
+    assert four.where == {"slots": [1, 2], "rows_written": 3} and four.shape == "unfilled_rows"
+    assert (nine.block_id, nine.readers, nine.trigger, nine.step, nine.rank) == (9, ("req-b",), "seal", 8, 2)
+    assert nine.where == {"slots": [6], "rows_written": 2}
+    assert meta.invalid == {4, 9}
+    # Log mode: the same detections, nothing reported unreadable.
+    logged = DeviceRowCheck(
+        _rows([1], [7], [6]), 0, blocks[:1], slots[:1], "scrub", 1, {}, "partial_mismatch", False
+    )
+    assert [d.block_id for d in logged.settle()] == [4] and logged.invalid() == set()
+
+
+def test_lost_writes_settle_only_where_the_previous_owner_computed_something_else() -> None:
+    import numpy as np
+
+    from vllm_kvguard.connector.metadata import DeviceRowCheck
+
+    blocks, slots = np.array([3, 3, 6]), np.array([0, 1, 0])
+    lost = np.array([True, True, False])  # block 6's previous owner wrote the same tokens there
+    check = _rows([1, 1, 1], [11, 12, 13], [11, 12, 13])
+    deferred = DeviceRowCheck(check, 0, blocks, slots, "write", 5, {}, "write_lost", True, lost=lost)
+    [d] = deferred.settle()
+    assert (d.block_id, d.kind, d.shape, d.trigger, d.expected, d.actual) == (
+        3,
+        "write_lost",
+        "stale",
+        "write",
+        11,
+        11,
+    )
+    assert d.where == {"slots": [0, 1]}
+    assert deferred.invalid() == set()  # the scheduler acts on write_lost detections themselves
+
+
+def test_a_row_check_that_cannot_be_read_back_fails_open() -> None:
+    import numpy as np
+
+    from vllm_kvguard.connector.metadata import DeviceRowCheck
+
+    check = _rows([1], [2], [3])
+    check._host_flags = None  # type: ignore[assignment]  # as if the copy never arrived
+    deferred = DeviceRowCheck(check, 0, np.array([1]), np.array([0]), "seal", 3, {}, "partial_mismatch", True)
+    meta = KVGuardWorkerMetadata(pending=[deferred])
+    meta.settle()
+    assert meta.detections == [] and meta.invalid == set()
+    [error] = meta.internal_errors
+    assert error.startswith("settle device row check (seal)")

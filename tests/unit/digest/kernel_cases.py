@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -389,6 +390,43 @@ if DEVICE == "cuda":
             torch.cuda.set_sync_debug_mode(0)
         assert seal is not None and seal.settle() == [] and check.settle() == [] and scrub.settle() == []
 
+    def test_device_row_digests_never_wait_for_the_device(kernel: ModuleType) -> None:
+        """What the worker runs each step with row digests on a GPU: clear, roll, record (with
+        the lost-write compare), check at seal, the voiding seal, forget; none may wait."""
+        from vllm_kvguard.digest import DeviceDigestTable
+        from vllm_kvguard.digest.rows import AxisRows, DeviceRowDigests
+
+        g = torch.Generator().manual_seed(170)
+        caches = {
+            f"l{i}": torch.randn((2, 64, 16, 8, 128), generator=g).to(torch.bfloat16).to(DEVICE)
+            for i in range(4)
+        }
+        pages = KVPages(caches, block_dim=1, use_kernel=True)
+        table = DeviceDigestTable(pages)
+        geometry = kernel.RowGeometry(pages.tensors, 1)
+        rows = DeviceRowDigests(pages.tensors, [AxisRows(t, 1) for t in pages.tensors], 64, 16, geometry)
+        blocks = np.repeat(np.arange(8, dtype=np.int64), 15)
+        slots = np.tile(np.arange(15, dtype=np.int64), 8)
+
+        def step() -> Any:
+            rows.roll(list(range(8)))
+            rows.clear(blocks, slots)
+            rows.record_async(blocks, slots, compare=True)
+            check = rows.check_async(blocks, slots)
+            assert check is not None
+            table.seal_async(list(range(8)), void=(check.blocks, check.flagged))
+            rows.forget([60])
+            return check
+
+        step()  # first calls may allocate or compile
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            check = step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert _flagged(check) == []
+
 
 def test_row_digests_where_the_rows_live_match_the_reference() -> None:
     """The device path's row digests (digest/rows.py: torch, no kernel) on the cases' device
@@ -420,6 +458,191 @@ def test_row_digests_where_the_rows_live_match_the_reference() -> None:
     caches[2][6, 1, 7, 1, 3] += 1  # layer 2, V of row (6, 7)
     caches[0][3, 0, 14] += 1  # another slot of block 3: no recorded row
     assert rows.check(blocks, slots).tolist() == [2]
+
+
+def _flagged(check: object) -> list[tuple[int, int, int]]:
+    """(row, actual, expected) of each row a RowCheck flagged (its place in the call's arrays)."""
+    assert check is not None
+    return [(r, a, e) for r, _, _, a, e in check.pending.settle()]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("launch", ["kernel", "torch"])
+def test_device_row_digests_record_check_and_find_lost_writes_without_reading_back(
+    kernel: ModuleType, launch: str
+) -> None:
+    """DeviceRowDigests (digest/rows.py): the reference's digests, kept on the device (by the
+    row kernel, or torch where the layout does not allow it); a changed row and a write that
+    left the previous owner's row are flagged, read back only through the check's flags;
+    rolling, forgetting and clearing act on both the host markers and the device table."""
+    from vllm_kvguard.digest.rows import AxisRows, DeviceRowDigests, row_digests_reference
+
+    g = torch.Generator().manual_seed(150)
+    caches = [torch.randn((5, 2, 16, 2, 8), generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2)]
+    geometry = kernel.RowGeometry(caches, 1) if launch == "kernel" else None
+    rows = DeviceRowDigests(caches, [AxisRows(t, 1) for t in caches], 5, 16, geometry)
+    assert rows.deferred and rows.table.device.type == DEVICE
+    blocks, slots = np.array([1, 1, 4, 2]), np.array([0, 1, 9, 15])
+
+    def raw(b: np.ndarray, s: np.ndarray) -> np.ndarray:
+        return np.stack(
+            [
+                np.concatenate(
+                    [t[i, :, j].contiguous().view(torch.uint8).cpu().numpy().ravel() for t in caches]
+                )
+                for i, j in zip(b.tolist(), s.tolist(), strict=True)
+            ]
+        )
+
+    want = row_digests_reference(raw(blocks, slots), slots)
+    assert rows.record_async(blocks, slots, compare=False) is None
+    table = rows.table.view(5, 16).cpu().numpy().view(np.uint64)
+    assert table[blocks, slots].tolist() == want.tolist()
+    assert np.count_nonzero(table) == 4 and rows.rows[blocks, slots].all()
+    b, s = rows.written([1, 2, 3])
+    assert list(zip(b.tolist(), s.tolist(), strict=True)) == [(1, 0), (1, 1), (2, 15)]
+    assert _flagged(rows.check_async(blocks, slots)) == []
+    caches[1][4, 1, 9, 0, 2] += 1  # layer 1, V of row (4, 9)
+    [(row, actual, expected)] = _flagged(rows.check_async(blocks, slots))
+    assert row == 2 and expected == int(want[2])
+    assert actual == int(row_digests_reference(raw(blocks[2:3], slots[2:3]), slots[2:3])[0]) != expected
+    # Block 1 to a new owner: its rows become the previous generation's, on the device too.
+    rows.roll([1])
+    assert not rows.rows[1].any() and rows.had_previous(1, [0, 5])
+    assert _u64(rows.table.view(5, 16)[1]).tolist() == [0] * 16
+    # The new owner's write to slot 0 never lands (the row still reads as before): flagged;
+    # slot 1 is written with new values: not.
+    caches[0][1, 0, 1] += 2
+    lost = rows.record_async(np.array([1, 1]), np.array([0, 1]), compare=True)
+    [(row, actual, previous)] = _flagged(lost)
+    assert (row, actual, previous) == (0, int(want[0]), int(want[0]))
+    rows.clear(np.array([1]), np.array([0]))
+    rows.forget([4])
+    assert _u64(rows.table.view(5, 16)[1]).tolist()[:2] == [
+        0,
+        int(rows.hash(np.array([1]), np.array([1]))[0]),
+    ]
+    assert not rows.rows[4].any() and not _u64(rows.table.view(5, 16)[4]).any()
+    rows.reset()
+    assert not rows.rows.any() and not rows.previous.any() and not _u64(rows.table).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize(
+    ("layout", "shape", "axis"),
+    [
+        # vLLM's FlashAttention layout (2, blocks, slots, heads, head) made block-first: K and V
+        # runs of heads x head at each slot.
+        ("kv_first", (2, 6, 16, 4, 16), 1),
+        # Block-first with K/V inside the page, slots after the heads (HND): a run per K/V and head.
+        ("hnd", (6, 2, 4, 16, 16), 2),
+        # Odd sizes: 3 slots, one head, a 24-element head.
+        ("odd", (2, 5, 3, 1, 24), 1),
+    ],
+)
+def test_row_kernel_matches_the_reference_bit_for_bit(
+    kernel: ModuleType, dtype: torch.dtype, layout: str, shape: tuple[int, ...], axis: int
+) -> None:
+    """The row kernel (kernel.py RowGeometry): every layer's row of each (block, slot) in one
+    launch, bit for bit the digest row_digests_reference defines over what AxisRows gathers."""
+    from vllm_kvguard.digest.rows import AxisRows, row_digests_reference
+
+    caches = [_random(shape, dtype, seed=180 + i) for i in range(3)]
+    tensors = [t.movedim(1, 0) if layout != "hnd" else t for t in caches]
+    geometry = kernel.RowGeometry(tensors, axis)
+    gathers = [AxisRows(t, axis) for t in tensors]
+    nb, bs = tensors[0].shape[0], tensors[0].shape[1 + axis]
+    blocks = np.array([0, nb - 1, 2, 2, 1])
+    slots = np.array([0, bs - 1, 1, bs - 1, bs // 2])
+    b, s_ = _ids(blocks.tolist()), _ids(slots.tolist())
+    raw = torch.cat([g(b, s_).contiguous().view(torch.uint8) for g in gathers], dim=1).cpu().numpy()
+    want = row_digests_reference(raw, slots)
+    digests, _, flags = geometry.launch(b, s_)
+    assert _u64(digests).tolist() == want.tolist()
+    assert not flags.cpu().any()
+    # Record stores into the table and compares with the previous generation; check compares.
+    table = torch.zeros(nb * bs, dtype=torch.int64, device=DEVICE)
+    previous = table.clone()
+    previous[int(blocks[1]) * bs + int(slots[1])] = int(want[1].astype(np.int64))
+    _, prev, same = geometry.launch(b, s_, mode=kernel.RECORD, table=table, previous=previous)
+    assert same.cpu().tolist() == [0, 1, 0, 0, 0] and _u64(prev)[1] == want[1]
+    assert _u64(table)[blocks * bs + slots].tolist() == want.tolist()
+    page = tensors[2][2]  # every byte of block 2 in layer 2 changes
+    page.copy_((page.view(torch.uint8) ^ 1).view(page.dtype))
+    _, recorded, changed = geometry.launch(b, s_, mode=kernel.CHECK, table=table)
+    assert changed.cpu().tolist() == [0, 0, 1, 1, 0] and _u64(recorded).tolist() == want.tolist()
+
+
+def test_the_row_kernel_is_checked_against_torch_at_start_up(
+    kernel: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeviceRowDigests.try_kernel (the worker calls it once): kept where it agrees with torch;
+    dropped for the torch path, with the reason, where it disagrees or fails to build."""
+    from vllm_kvguard.digest.rows import AxisRows, DeviceRowDigests
+
+    caches = [_random((5, 2, 16, 2, 8), torch.bfloat16, seed=200 + i) for i in range(2)]
+
+    def make() -> DeviceRowDigests:
+        return DeviceRowDigests(
+            caches, [AxisRows(t, 1) for t in caches], 5, 16, kernel.RowGeometry(caches, 1)
+        )
+
+    rows = make()
+    assert rows.try_kernel() is None and rows.geometry is not None
+    original = kernel.RowGeometry.launch
+
+    def off_by_one(self: object, *a: object, **k: object) -> tuple[torch.Tensor, ...]:
+        digests, other, flags = original(self, *a, **k)  # type: ignore[arg-type]
+        return digests + 1, other, flags
+
+    monkeypatch.setattr(kernel.RowGeometry, "launch", off_by_one)
+    rows = make()
+    assert rows.try_kernel() == "row kernel disagrees with torch" and rows.geometry is None
+
+    def broken(self: object, *a: object, **k: object) -> tuple[torch.Tensor, ...]:
+        raise RuntimeError("PTX for this GPU could not be built")
+
+    monkeypatch.setattr(kernel.RowGeometry, "launch", broken)
+    rows = make()
+    why = rows.try_kernel()
+    assert why is not None and "PTX for this GPU" in why and rows.geometry is None
+    # The torch path then records and checks as before.
+    blocks, slots = np.array([1, 3]), np.array([0, 15])
+    rows.record_async(blocks, slots, compare=False)
+    assert _flagged(rows.check_async(blocks, slots)) == []
+
+
+def test_row_kernel_refuses_rows_that_are_not_whole_words(kernel: ModuleType) -> None:
+    t = _random((4, 16, 1, 3), torch.bfloat16, seed=190)  # a row of 6 bytes a layer
+    with pytest.raises(ValueError, match="8-byte"):
+        kernel.RowGeometry([t], 0)
+    # The dimensions after the slot axis must be contiguous.
+    u = _random((4, 8, 16, 4), torch.bfloat16, seed=191).transpose(2, 3)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel.RowGeometry([u], 0)
+
+
+def test_a_seal_over_changed_rows_is_voided_in_stream_order(kernel: ModuleType) -> None:
+    """The seal that follows a row check on the device (worker: rows checked, then every page
+    sealed) gets a digest its page cannot match where a row was flagged: a read before the host
+    learns of it fails verification; the other pages verify."""
+    from vllm_kvguard.digest import DeviceDigestTable
+    from vllm_kvguard.digest.rows import AxisRows, DeviceRowDigests
+
+    caches = {f"l{i}": _random((2, 6, 16, 2, 8), torch.bfloat16, seed=160 + i) for i in range(2)}
+    pages = KVPages(caches, block_dim=1, use_kernel=True)
+    table = DeviceDigestTable(pages)
+    geometry = kernel.RowGeometry(pages.tensors, 1)
+    rows = DeviceRowDigests(pages.tensors, [AxisRows(t, 1) for t in pages.tensors], 6, 16, geometry)
+    blocks, slots = np.array([2, 2, 5]), np.array([0, 3, 1])
+    rows.record_async(blocks, slots, compare=False)
+    pages.tensors[0][5, 0, 1, 0, 0] += 1  # a row of page 5 changes before the page is sealed
+    check = rows.check_async(blocks, slots)
+    assert check is not None
+    table.seal_async([5, 2, 3], void=(check.blocks, check.flagged))
+    assert [r for r, *_ in _flagged(check)] == [2]
+    found = table.verify_async([2, 3, 5]).settle()
+    assert sorted({(b, layer) for b, layer, *_ in found}) == [(5, 0), (5, 1)]
+    assert all(actual == ~sealed % (1 << 64) for _, _, _, actual, sealed in found)
 
 
 def test_device_syndromes_where_the_pages_live_match_the_host() -> None:
