@@ -49,8 +49,23 @@ class KVGuardMetadata(KVConnectorMetadata):
         return self.plan.step
 
 
+class _Settles:
+    """What a device check and a device row check share: settled once, ready without a wait."""
+
+    check: PendingCheck
+    _detections: list[Detection] | None
+
+    @property
+    def settled(self) -> bool:
+        return self._detections is not None
+
+    def ready(self) -> bool:
+        """Whether settling would not wait for the device."""
+        return self.settled or self.check.ready()
+
+
 @dataclass
-class DeviceCheck:
+class DeviceCheck(_Settles):
     """A kernel launch's results (a :class:`PendingCheck`) and what its detections must say.
 
     :meth:`settle` is the one place a device check turns into detections; the result
@@ -71,14 +86,6 @@ class DeviceCheck:
     triggers: dict[int, str] | None = None
     error: str | None = None
     _detections: list[Detection] | None = field(default=None, repr=False)
-
-    @property
-    def settled(self) -> bool:
-        return self._detections is not None
-
-    def ready(self) -> bool:
-        """Whether :meth:`settle` would not wait for the device."""
-        return self.settled or self.check.ready()
 
     def settle(self) -> list[Detection]:
         """The flagged pages as detections (waits for the launch if it is still running).
@@ -187,7 +194,7 @@ def lost_write_detections(
 
 
 @dataclass
-class DeviceRowCheck:
+class DeviceRowCheck(_Settles):
     """Row digests compared on the device (:class:`DeviceRowDigests`): what :class:`DeviceCheck`
     is to pages, for the rows of pages still being written. ``kind`` "partial_mismatch" (rows
     that changed since recorded: checked at seal, by sampled/paranoid reads, by scrub) or
@@ -206,13 +213,6 @@ class DeviceRowCheck:
     lost: np.ndarray | None = None
     error: str | None = None
     _detections: list[Detection] | None = field(default=None, repr=False)
-
-    @property
-    def settled(self) -> bool:
-        return self._detections is not None
-
-    def ready(self) -> bool:
-        return self.settled or self.check.ready()
 
     def settle(self) -> list[Detection]:
         """The flagged rows as detections, one per block (waits for the device if it must);
