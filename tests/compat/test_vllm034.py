@@ -53,6 +53,9 @@ def test_guard_on_vllm_0_34_scheduler_and_runner(
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["vllm"] == "0.34.0" and r["scheduler_connector"] == "KVGuardConnector"
     assert r["requires_kv_delivery"] is False and r["deferred"] is kernel
+    # Row digests along 0.34's slot axis: on the host, or (device path) in a device table kept by
+    # the row kernel, checked against torch at start-up.
+    assert (r["rows"], r["row_kernel"]) == (("DeviceRowDigests", True) if kernel else ("RowDigests", False))
     assert len(r["sealed_by_a"]) == 4
     # Reuse: the flipped prefix page reached vLLM's bad-block handling in the step that read it.
     assert r["handled_after_flip"] == [[r["flipped"]]]

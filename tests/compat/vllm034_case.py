@@ -6,8 +6,10 @@ Real parts: 0.34's ``Scheduler`` (prefix cache, preemption, invalid-block handli
 guard's scheduler half, and 0.34's ``ActiveKVConnector`` (what ``GPUModelRunner`` V2 calls:
 ``pre_forward`` -> ``finish_forward`` -> ``post_forward``) driving the guard's worker half
 over a KV tensor in 0.34's GPU layout. Only the forward is simulated: each step writes, for
-every scheduled token, bytes determined by (token id, position) into its KV slot, so shared
-prefix pages are identical and a recomputed page is restored. Prints one JSON object.
+every scheduled token, bytes determined by (the tokens up to it, position) into its KV slot, so
+shared prefix pages are identical and a recomputed page is restored. Row digests are on (0.34's
+GPU layout in host memory: rows along the slot axis; kept on the device, by the row kernel, in
+the kvg64 variant). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -104,9 +106,13 @@ def main() -> int:
             table = scheduler.kv_cache_manager.get_block_ids(req_id)[0]
             end = request.num_computed_tokens
             for pos in range(end - n, end):
-                token = request.all_token_ids[pos]
-                value = torch.arange(HEADS * HEAD, dtype=torch.float32).reshape(HEADS, HEAD)
-                kv[:, table[pos // BS], pos % BS] = ((value + token * 3 + pos) % 97).to(torch.bfloat16)
+                # As in a model with more than one layer, a slot's K and V depend on every
+                # token up to it, not only on its own (row digests would otherwise take two
+                # requests' equal (token, position) slots for a write that never landed).
+                context = hash((pos, *request.all_token_ids[: pos + 1])) & 0xFFFFFFFF
+                g = torch.Generator().manual_seed(context)
+                value = torch.randn((2, HEADS, HEAD), generator=g)
+                kv[:, table[pos // BS], pos % BS] = value.to(torch.bfloat16)
         if layer_hooks:
             worker.wait_for_layer_load("l0")  # the attention layer's hook (eager, piecewise)
 
@@ -166,6 +172,8 @@ def main() -> int:
                 "scheduler_connector": type(scheduler.connector).__name__,
                 "requires_kv_delivery": scheduler.requires_kv_delivery,
                 "deferred": worker.worker.pages.deferred,
+                "rows": type(worker.worker.rows).__name__,
+                "row_kernel": getattr(worker.worker.rows, "geometry", None) is not None,
                 "sealed_by_a": sealed,
                 "flipped": sealed[1],
                 "handled_after_flip": after_flip,

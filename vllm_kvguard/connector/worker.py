@@ -324,7 +324,11 @@ class KVGuardWorker:
         try:
             if bs <= 0:
                 raise ValueError("block size unknown")
-            if first.device.type == "cpu":
+            # vLLM's CPU attention packs a page as (heads, block_size, 2 x head_size); any other
+            # page (GPU layouts, also where they sit in host memory: tests/compat) indexes slots
+            # along one of its dimensions.
+            packed = first.device.type == "cpu" and len(page_shape) == 3 and page_shape[1] == bs
+            if packed:
                 if not first.is_floating_point():
                     raise ValueError(f"KV dtype {first.dtype} (quantised CPU cache)")
                 name = self.pages.names[0]
