@@ -251,3 +251,26 @@ def test_rows_on_the_device_find_a_write_that_never_landed(
     assert found and all(line["request_ids"][0].startswith("second") and line["slots"] for line in found)
     assert found[0]["action"] == "recomputed"
     assert r["out"].outputs[0].text == r["clean"] and affected_once(log) == {"second": "healed"}
+
+
+def test_rows_on_the_device_verified_by_paranoid_reads_heal_the_writer(
+    tiny_model: str, tmp_path: Path, rows_on_device: None, first_reads: list[set[str]]
+) -> None:
+    """Paranoid read verification covers a running request's unfilled page by its rows (at the
+    first attention layer, on the device, read with the step's output): caught in the first step
+    after the change, before the page is sealed, V recomputed: its clean text, healed."""
+    from tests.engine.harness import affected_once
+    from tests.engine.test_unfilled import WRITTEN, _laundering
+
+    log = tmp_path / "guard.jsonl"
+    extra = {**KVG64, **INPROC, "VLLM_KVGUARD_VERIFY": "paranoid"}
+    with engine(tiny_model, guard_env("quarantine", log, **extra)) as llm:
+        r = _laundering(llm)
+    found = [e for e in events(log, "kv_block_corrupted") if e["block_id"] == r["block"]]
+    assert found, "the corrupted unfilled page is reported"
+    first = found[0]
+    assert first["shape"] == "unfilled_rows" and first["where"]["slots"] == list(range(WRITTEN))
+    assert first["trigger"] == "paranoid" and first["step"] == r["corrupted_after"] + 1
+    assert first_reads and all("before_output" in stack and not stack & HOOKS for stack in first_reads)
+    assert r["v"].outputs[0].text == r["clean_v"] and affected_once(log)["v"] == "healed"
+    assert r["w"].outputs[0].text == r["clean_w"]
