@@ -358,6 +358,8 @@ class RowDigests:
 
     # Whether recording and checking return device results read later (DeviceRowDigests).
     deferred = False
+    # What the host tables hold: the digests (here), or 0/1 markers (DeviceRowDigests).
+    _host_dtype: type = np.uint64
 
     def __init__(
         self,
@@ -376,8 +378,8 @@ class RowDigests:
         self.row_bytes = sum(g(probe, probe).numel() for g in gathers) * tensors[0].element_size()
         if not self.on_host and self.row_bytes % 8:
             raise ValueError("device rows must be whole 64-bit words")
-        self.rows = np.zeros((num_blocks, block_size), dtype=np.uint64)
-        self.previous = np.zeros((num_blocks, block_size), dtype=np.uint64)
+        self.rows: np.ndarray = np.zeros((num_blocks, block_size), dtype=self._host_dtype)
+        self.previous: np.ndarray = np.zeros((num_blocks, block_size), dtype=self._host_dtype)
 
     def nbytes(self) -> int:
         return self.rows.nbytes + self.previous.nbytes
@@ -564,6 +566,7 @@ class DeviceRowDigests(RowDigests):
     layer and torch's arithmetic (about twenty small kernels), the same digests."""
 
     deferred = True
+    _host_dtype = np.uint8
 
     def __init__(
         self,
@@ -575,8 +578,6 @@ class DeviceRowDigests(RowDigests):
     ) -> None:
         super().__init__(tensors, gathers, num_blocks, block_size)
         self.geometry = geometry
-        self.rows = np.zeros((num_blocks, block_size), dtype=np.uint8)
-        self.previous = np.zeros((num_blocks, block_size), dtype=np.uint8)
         shape = (num_blocks * block_size,)  # flat: entry block x block_size + slot
         self.table = torch.zeros(shape, dtype=torch.int64, device=self.device)
         self.table_previous = torch.zeros(shape, dtype=torch.int64, device=self.device)
