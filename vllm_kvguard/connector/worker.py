@@ -488,7 +488,8 @@ class KVGuardWorker:
             lost=meta.lost_write_rows if kind == "write_lost" else None,
         )
         self._worker_meta().pending.append(deferred)
-        self._unsettled.append(deferred)
+        if kind == "partial_mismatch":  # a lost write needs nothing of the worker once read
+            self._unsettled.append(deferred)
 
     def _defer(
         self, check: PendingCheck | None, trigger: str, step: int, readers: dict[int, list[str]], kind: str
@@ -533,7 +534,7 @@ class KVGuardWorker:
         voided on the device until now), stay flagged for later readers in log mode, and
         their rows are forgotten outside it."""
         assert self.table is not None and self.rows is not None
-        if deferred.kind != "partial_mismatch" or not found:
+        if not found:
             return
         blocks = sorted({d.block_id for d in found})
         self.table.forget(blocks)

@@ -612,12 +612,12 @@ class DeviceRowDigests(RowDigests):
         return ids.pin_memory().to(self.device, non_blocking=True)
 
     def _flat(self, blocks: np.ndarray, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(blocks, slots, table entries) on the device, in one copy."""
-        both = self._to_device(
-            np.stack([np.asarray(blocks, dtype=np.int64), np.asarray(slots, dtype=np.int64)])
-        )
-        b, s = both[0], both[1]
-        return b, s, b * self.block_size + s
+        """(blocks, slots, table entries) on the device, in one copy (the entries computed on
+        the host: no device arithmetic per call)."""
+        b = np.asarray(blocks, dtype=np.int64)
+        s = np.asarray(slots, dtype=np.int64)
+        ids = self._to_device(np.stack([b, s, b * self.block_size + s]))
+        return ids[0], ids[1], ids[2]
 
     def _digests(self, b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         gathered = torch.cat([g(b, s).contiguous().view(torch.uint8) for g in self.gathers], dim=1)
@@ -704,7 +704,8 @@ class DeviceRowDigests(RowDigests):
     def clear(self, blocks: np.ndarray, slots: np.ndarray) -> None:
         if len(blocks):
             super().clear(blocks, slots)
-            self.table.index_fill_(0, self._flat(blocks, slots)[2], 0)
+            flat = np.asarray(blocks, dtype=np.int64) * self.block_size + np.asarray(slots, dtype=np.int64)
+            self.table.index_fill_(0, self._to_device(flat), 0)
 
     def reset(self) -> None:
         super().reset()
