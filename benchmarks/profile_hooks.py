@@ -44,6 +44,9 @@ def main() -> None:
     llm = LLM(model=str(model), **engine_args(a.concurrency))
     work = workload(a.concurrency)
     totals: dict[str, list[float]] = {}
+    # The same hooks' CPU time on the calling thread (steadier than wall time on a shared machine:
+    # time the thread was not running does not count).
+    cpu: dict[str, float] = {}
     hooks = [
         "build_connector_meta",
         "update_connector_output",
@@ -59,11 +62,12 @@ def main() -> None:
         original = getattr(connector.KVGuardConnector, name)
 
         def timed(self: Any, *args: Any, _original: Any = original, _name: str = name, **kw: Any) -> Any:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             try:
                 return _original(self, *args, **kw)
             finally:
                 totals.setdefault(_name, []).append(time.perf_counter() - start)
+                cpu[_name] = cpu.get(_name, 0.0) + time.thread_time() - cpu_start
 
         setattr(connector.KVGuardConnector, name, timed)
     import vllm_kvguard.connector.patches as patches
@@ -72,16 +76,20 @@ def main() -> None:
     if observer is not None:
         # The rows vLLM's CPU write op is handed, kept inside the forward (no hook of its own).
         def observed(*args: Any, _observer: Any = observer) -> None:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             try:
                 _observer(*args)
             finally:
                 totals.setdefault("kv write (in the forward)", []).append(time.perf_counter() - start)
+                cpu["kv write (in the forward)"] = (
+                    cpu.get("kv write (in the forward)", 0.0) + time.thread_time() - cpu_start
+                )
 
         patches._KV_WRITE_OBSERVER = observed
         hooks.append("kv write (in the forward)")
     llm.generate([p for w in WARMUP.waves() for p in w], SamplingParams(max_tokens=8), use_tqdm=False)
     totals.clear()
+    cpu.clear()
     prompts = [p for w in work.waves() for p in w]
     params = SamplingParams(temperature=0.0, max_tokens=work.max_tokens, ignore_eos=True)
     profiler = None
@@ -90,9 +98,9 @@ def main() -> None:
 
         profiler = Profiler(interval=0.0002)
         profiler.start()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu_elapsed = time.perf_counter() - start, time.thread_time() - cpu_start
     if profiler is not None:
         profiler.stop()
         a.pyinstrument.write_text(
@@ -103,12 +111,21 @@ def main() -> None:
     print(
         f"policy {a.policy}: generate() {elapsed:.3f} s, inside the guard {spent * 1e3:.1f} ms ({share:.2%})"
     )
+    cpu_spent = sum(cpu.values())
+    print(
+        f"  thread CPU time: generate() {cpu_elapsed:.3f} s, inside the guard {cpu_spent * 1e3:.1f} ms"
+        f" ({cpu_spent / cpu_elapsed:.2%})"
+    )
     for name in hooks:
         values = totals.get(name, [])
         if values:
             total = sum(values)
             per_call = total / len(values) * 1e6
-            print(f"  {name:28s} {len(values):5d} calls {total * 1e3:8.1f} ms {per_call:8.1f} us/call")
+            cpu_us = cpu.get(name, 0.0) / len(values) * 1e6
+            print(
+                f"  {name:28s} {len(values):5d} calls {total * 1e3:8.1f} ms {per_call:8.1f} us/call"
+                f" {cpu_us:8.1f} us CPU/call"
+            )
 
 
 if __name__ == "__main__":

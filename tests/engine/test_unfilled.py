@@ -302,7 +302,7 @@ def test_a_write_op_that_fails_under_the_guard_is_caught_by_the_landing_check(
     """The guard digests the rows vLLM's write op is handed (not read back out of the packed
     pages) and checks that they landed. Here the op itself drops the writes while the guard
     sees the right rows for the right slots: for the 16 rows of the page the chunk leaves
-    unfilled (not sealed this step, so not read back from the page anyway) only the landing
+    unfilled (not sealed this step, so not hashed from the page by the seal) only the landing
     check can tell. Quarantine: found, recomputed, the clean text. Control: the test above."""
     log = tmp_path / "guard.jsonl"
     env = {
@@ -314,9 +314,9 @@ def test_a_write_op_that_fails_under_the_guard_is_caught_by_the_landing_check(
         assert worker.written is not None, "rows are digested as written on vLLM's CPU layout"
         r = _lost_write(llm, beneath_guard=True, worker=worker)
     assert r["dropped"] > 0
-    # The unfilled page's 16 rows went through the written-rows path (the two full pages are
-    # being sealed: read from their pages), and the landing check found them not landed.
-    assert r["chunk_as_written"] == 16
+    # Every row of the chunk went through the written-rows path (the 16 of the unfilled page and
+    # the 64 of the pages being sealed), and the landing check found them not landed.
+    assert r["chunk_as_written"] == 80
     found = events(log, "kv_block_write_lost")
     assert found and all(line["request_ids"][0].startswith("second") for line in found)
     assert any(line["slots"] == list(range(16)) for line in found), found

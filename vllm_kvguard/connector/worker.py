@@ -206,7 +206,7 @@ class WrittenRows:
         if self.broken or self.slots is None or not len(self.slots) or len(self.seen) < self.num_layers:
             return None
         ids = blocks * block_size + slots
-        if len(ids) == len(self.slots) and np.array_equal(ids, self.slots):
+        if len(ids) == len(self.slots) and (ids == self.slots).all():
             # The usual case: the plan's rows in the order the model runner wrote them.
             return None, np.ones(len(ids), dtype=bool)
         order = np.argsort(self.slots, kind="stable")
@@ -846,14 +846,11 @@ class KVGuardWorker:
                 filling.append(injection)
             elif injection.at == FaultSite.REST:
                 at_rest.append(injection)
-        # Which pages being sealed hold NaN/Inf, found on the rows gathered for their row digests
-        # (covered: every slot's row tested); the others are tested at the seal below.
-        known: tuple[np.ndarray, np.ndarray] | None = None
         void: RowCheck | None = None
         if isinstance(self.rows, DeviceRowDigests):
             void = self._rows_on_device(meta, seal)
         elif self.rows is not None:
-            seal, known = self._rows_after_forward(meta, seal)
+            seal = self._rows_after_forward(meta, seal)
         for injection in filling:
             if not self._corrupt_rows(injection):
                 self._worker_meta().unchanged_faults.append(injection.fault_id)
@@ -871,19 +868,11 @@ class KVGuardWorker:
             self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
         elif seal:
             finite = self.config.nonfinite_mode is not None
-            if finite and known is not None:
-                flags, covered = known
-                untested = np.flatnonzero(~covered)
-                if len(untested):
-                    flags[untested] = self.pages.nonfinite([seal[i] for i in untested.tolist()])
-                self._check_finite(meta, flags)
+            # One gather of the pages being sealed for both the NaN/Inf test and the syndromes.
+            flags, facts = self.pages.seal_facts(seal, check_finite=finite)
+            if finite and self._check_finite(meta, flags):
+                # Non-finite elements were zeroed: the syndromes must describe what is sealed.
                 facts = self.pages.seal_facts(seal, check_finite=False)[1]
-            else:
-                # One gather of the pages for both the NaN/Inf test and the syndromes.
-                flags, facts = self.pages.seal_facts(seal, check_finite=finite)
-                if finite and self._check_finite(meta, flags):
-                    # Non-finite elements were zeroed: the syndromes must describe what is sealed.
-                    facts = self.pages.seal_facts(seal, check_finite=False)[1]
             self.table.seal(seal, self.pages.digest(seal), facts)
             self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
         for injection in at_rest:
@@ -915,109 +904,61 @@ class KVGuardWorker:
         self.counters.observe("verify_seconds", time.perf_counter() - start)
         return at_seal
 
-    def _rows_after_forward(
-        self, meta: KVGuardMetadata, seal: list[int]
-    ) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
+    def _rows_after_forward(self, meta: KVGuardMetadata, seal: list[int]) -> list[int]:
         """Check the rows of pages about to be sealed that earlier steps wrote (never seal over
         data that changed after it was written), then record the rows this forward wrote and
         report any that still read as the block's previous owner's (a lost write). Returns the
-        pages to seal and, where the NaN/Inf check is on and the rows are on the host, what the
-        rows gathered for both showed of them: (pages x layers non-finite, pages whose every slot
-        was tested), so that sealing needs no separate pass over those pages."""
+        pages to seal (those whose rows did not change)."""
         assert self.rows is not None
         plan = meta.plan
         start = time.perf_counter()
-        test = self.config.nonfinite_mode is not None and self.rows.host is not None
-        layers = len(self.rows.gathers)
         changed: set[int] = set()
-        tested: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (blocks, slots, rows x layers)
         if seal:
             blocks, slots = self.rows.written(seal)
             if len(blocks):
-                flags = np.zeros((len(blocks), layers), dtype=bool) if test else None
-                bad = self.rows.check(blocks, slots, flags)
+                bad = self.rows.check(blocks, slots)
                 changed = self._row_findings(meta, blocks, slots, bad, "seal")
                 self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
-                if flags is not None:
-                    tested.append((blocks, slots, flags))
         if len(plan.written_blocks):
             blocks = np.asarray(plan.written_blocks, dtype=np.int64)
             slots = np.asarray(plan.written_slots, dtype=np.int64)
-            # Only the rows of pages being sealed are tested for NaN/Inf (the last row of each
-            # page a decode fills; every row of a page prefilled whole): the others' pages are not
-            # sealed this step, and their rows are tested in the fill check that seals them.
-            flags = at = None
-            sealing = np.isin(blocks, np.asarray(seal, dtype=np.int64)) if seal else None
-            if test and sealing is not None:
-                at = np.flatnonzero(sealing)
-                flags = np.zeros((len(at), layers), dtype=bool)
-            same = self._record_rows(blocks, slots, flags, at, sealing)
+            same = self._record_rows(blocks, slots)
             self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
-            if flags is not None and at is not None and len(at):
-                tested.append((blocks[at], slots[at], flags))
             if same.any() and meta.lost_write_rows.any():
                 checked = same & meta.lost_write_rows
                 self._lost_writes(meta, blocks[checked], slots[checked])
         self.counters.observe("verify_seconds", time.perf_counter() - start)
         if changed:
             seal = [b for b in seal if b not in changed]
-        if not test or not seal:
-            return seal, None
-        sealing = np.asarray(seal, dtype=np.int64)
-        order = np.argsort(sealing)
-        ordered = sealing[order]
-        found = np.zeros((len(seal), layers), dtype=bool)
-        seen = np.zeros((len(seal), self.rows.block_size), dtype=bool)
-        for blocks, slots, flags in tested:
-            # Each row's page among those being sealed (-1: another page), without Python per row.
-            at = np.minimum(np.searchsorted(ordered, blocks), len(ordered) - 1)
-            page = np.where(ordered[at] == blocks, order[at], -1)
-            mine = page >= 0
-            np.logical_or.at(found, page[mine], flags[mine])
-            seen[page[mine], slots[mine]] = True
-        covered = np.asarray(seen.all(axis=1))
-        return seal, (found, covered)
+        return seal
 
-    def _record_rows(
-        self,
-        blocks: np.ndarray,
-        slots: np.ndarray,
-        flags: np.ndarray | None,
-        at: np.ndarray | None,
-        sealing: np.ndarray | None,
-    ) -> np.ndarray:
+    def _record_rows(self, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Record the rows this forward wrote: from the bytes vLLM's write op was handed where
-        they were seen (:class:`WrittenRows`), read back from the pages otherwise. The rows of
-        pages being sealed this step are always read from their pages: the NaN/Inf check and
-        the seal must judge what the page holds."""
+        they were seen (:class:`WrittenRows`) and landed, read back from the pages otherwise.
+        Rows of pages being sealed this step too: the seal judges the page itself (its digest,
+        syndromes and NaN/Inf test are taken from the page, not from these rows)."""
         assert self.rows is not None
         written = self.written
         if written is None or not written.open:
-            return self.rows.record(blocks, slots, flags, at)
+            return self.rows.record(blocks, slots)
         written.close()
         found = written.find(blocks, slots, self.block_size)
         if found is None:
-            return self.rows.record(blocks, slots, flags, at)
+            return self.rows.record(blocks, slots)
         positions, use = found
-        if sealing is not None:
-            use &= ~sealing
         n = len(use)
         if use.all():
             self.rows_as_written += n
             rows = written.raw[:n] if positions is None else written.raw[positions]
             return self.rows.record(blocks, slots, written=rows)
         if not use.any():
-            return self.rows.record(blocks, slots, flags, at)
-        if positions is None:
-            positions = np.arange(n)
+            return self.rows.record(blocks, slots)
+        assert positions is not None  # positions is None only where every row was found
         same = np.zeros(len(blocks), dtype=bool)
         mine = np.flatnonzero(use)
         same[mine] = self.rows.record(blocks[mine], slots[mine], written=written.raw[positions[mine]])
         rest = np.flatnonzero(~use)
-        if len(rest):
-            # ``at`` (rows of pages being sealed) is among ``rest``: its place there.
-            tested = None if at is None else np.searchsorted(rest, at)
-            same[rest] = self.rows.record(blocks[rest], slots[rest], flags, tested)
+        same[rest] = self.rows.record(blocks[rest], slots[rest])
         self.rows_as_written += len(mine)
         return same
 

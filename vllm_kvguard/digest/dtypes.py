@@ -6,7 +6,6 @@ importing each other.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 
@@ -41,17 +40,3 @@ def nonfinite_rows(rows: torch.Tensor) -> torch.Tensor:
     mask, low, sign, _ = test
     words = torch.bitwise_and(rows.view(torch.int64), mask)
     return words.add_(low).bitwise_and_(sign).any(dim=1)
-
-
-def nonfinite_words(words: np.ndarray, dtype: torch.dtype) -> np.ndarray | None:
-    """Per row of a 2-D int64 array (rows of 64-bit words holding ``dtype`` elements): does it hold
-    NaN or Inf? The same exponent test as :func:`nonfinite_rows`, with numpy, on host rows already
-    gathered for another purpose (row digests). None for dtypes without a test here."""
-    test = EXPONENT_TESTS.get(dtype)
-    if test is None:
-        return None
-    mask, low, sign, _ = test
-    lanes = np.bitwise_and(words, np.int64(mask))
-    lanes += np.int64(low)
-    lanes &= np.int64(sign)
-    return lanes.any(axis=1)

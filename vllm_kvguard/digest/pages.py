@@ -10,6 +10,7 @@ hashed where they live, by the KVG64 kernel (:mod:`.kernel`).
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 import xxhash
 
 from vllm_kvguard.config import HashAlgorithm
-from vllm_kvguard.digest.dtypes import nonfinite_rows
+from vllm_kvguard.digest.dtypes import EXPONENT_TESTS, nonfinite_rows
 from vllm_kvguard.digest.kernel import PageGeometry, kernel_available, kvg64_pages, kvg64_reference
 from vllm_kvguard.digest.syndrome import finish, parities, syndromes_device
 from vllm_kvguard.digest.syndrome import width as syndrome_width
@@ -124,6 +125,52 @@ class KVPages:
         # later (DeviceDigestTable): when the layers share one page geometry, as the
         # layers of one vLLM KV cache group do.
         self.geometry = self._one_geometry() if use_kernel else None
+        self._host_pages = self._host_pool()
+        self._scratch: np.ndarray | None = None
+
+    def _host_pool(self) -> tuple[list[np.ndarray], tuple[int, int] | None] | None:
+        """Every layer's pages as numpy element lanes, for :meth:`seal_facts` on the host:
+        ((layers, blocks, elements) views: one for all the layers where they lie evenly spaced
+        in one buffer, as vLLM allocates them, else one per layer; the NaN/Inf test: (mask of
+        all bits but the sign, exponent mask), None for integer caches). None where the pages
+        are not contiguous pages of one shape and dtype, or are floats this test does not know
+        (the torch path then)."""
+        first = self.tensors[0]
+        size = first.element_size()
+        if not self.on_host or self.use_kernel or size not in (1, 2, 4):
+            return None
+        if any(t.dtype != first.dtype or t.shape[1:] != first.shape[1:] for t in self.tensors):
+            return None
+        if any(r != [(0, self.page_bytes[0])] for r in self._runs):
+            return None
+        test: tuple[int, int] | None = None
+        if first.is_floating_point():
+            if first.dtype not in EXPONENT_TESTS:
+                return None
+            bits = EXPONENT_TESTS[first.dtype][3]
+            test = ((1 << (bits - 1)) - 1, EXPONENT_TESTS[first.dtype][0] & ((1 << bits) - 1))
+        lane = getattr(torch, f"int{8 * size}")
+        elements = self.page_bytes[0] // size
+
+        def lanes_at(t: torch.Tensor, count: int, step: int) -> np.ndarray:
+            # One element of the tensor's own memory (a view, never a copy), widened by strides.
+            one = torch.as_strided(t.view(lane), (1,), (1,)).numpy()
+            return np.lib.stride_tricks.as_strided(
+                one, shape=(count, self.num_blocks, elements), strides=(step, t.stride(0) * size, size)
+            )
+
+        ptrs = [t.data_ptr() for t in self.tensors]
+        step = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
+        even = (
+            len(ptrs) > 1
+            and step > 0
+            and len({t.untyped_storage().data_ptr() for t in self.tensors}) == 1
+            and all(b - a == step for a, b in itertools.pairwise(ptrs))
+            and all(t.stride(0) == first.stride(0) for t in self.tensors)
+        )
+        if even:
+            return [lanes_at(first, len(ptrs), step)], test
+        return [lanes_at(t, 1, 0) for t in self.tensors], test
 
     def _one_geometry(self) -> Any:
         if any(r != self._runs[0] for r in self._runs):
@@ -207,6 +254,9 @@ class KVPages:
         syn = np.zeros((n, self.num_layers, self.syndrome_words), dtype=np.uint64)
         if not n:
             return flags, syn
+        if self._host_pages is not None:
+            self._host_facts(block_ids, check_finite, with_syndromes, flags, syn)
+            return flags, syn
         index = torch.as_tensor(list(block_ids), device=self.tensors[0].device)
         finite_layers, finite_flags, cols, rows = [], [], [], []
         for i, tensor in enumerate(self.tensors):
@@ -229,6 +279,56 @@ class KVPages:
             # One transfer for all layers' flags.
             flags[:, finite_layers] = torch.stack(finite_flags, dim=1).cpu().numpy()
         return flags, syn
+
+    # Host memory kept for :meth:`_host_facts`' copy of the pages being sealed (at least one
+    # block's pages, every layer): reused, so a step's seal allocates nothing. A fresh large
+    # numpy array per call was 3-5x slower than the whole computation (every call faulted its
+    # pages in again: glibc hands large blocks back to the OS when they are freed).
+    SCRATCH_BYTES = 4 << 20
+
+    def _host_facts(
+        self,
+        block_ids: Sequence[int],
+        check_finite: bool,
+        with_syndromes: bool,
+        flags: np.ndarray,
+        syn: np.ndarray,
+    ) -> None:
+        """:meth:`seal_facts` on host pages: the pages copied into a kept scratch buffer, a
+        chunk of blocks at a time (one numpy call where the layers share a buffer), then the
+        syndromes' two passes and the NaN/Inf test over that copy, every layer at once (a few
+        numpy calls a step, not a few per layer)."""
+        assert self._host_pages is not None
+        views, test = self._host_pages
+        ids = np.asarray(block_ids, dtype=np.int64)
+        layers = self.num_layers
+        elements = views[0].shape[2]
+        per_block = layers * elements
+        if self._scratch is None:
+            chunk = max(1, self.SCRATCH_BYTES // (per_block * views[0].itemsize))
+            self._scratch = np.empty(chunk * per_block, dtype=views[0].dtype)
+            self._scratch.fill(0)  # its pages touched once, now
+        chunk = len(self._scratch) // per_block
+        for lo in range(0, len(ids), chunk):
+            part = ids[lo : lo + chunk]
+            k = len(part)
+            pages = self._scratch[: k * per_block].reshape(layers, k, elements)
+            # "clip": no bounds pass (every id is a block of this pool) and no buffered copy.
+            if len(views) == 1:
+                np.take(views[0], part, axis=1, out=pages, mode="clip")
+            else:
+                for i, view in enumerate(views):
+                    np.take(view[0], part, axis=0, out=pages[i], mode="clip")
+            words = pages.reshape(layers * k, elements)
+            if with_syndromes:
+                done = finish(*parities(words.view(np.uint8)))[:, : self.syndrome_words]
+                syn[lo : lo + k] = done.reshape(layers, k, -1).swapaxes(0, 1)
+            if check_finite and test is not None:
+                magnitude, exponent = test
+                # In place (the copy is not needed after this): with the sign bit cleared, a NaN
+                # or Inf lane is one at or above the exponent mask.
+                np.bitwise_and(words, words.dtype.type(magnitude), out=words)
+                flags[lo : lo + k] = (words.max(axis=1) >= exponent).reshape(layers, k).T
 
     def syndromes_on_device(self, index: torch.Tensor) -> torch.Tensor:
         """Syndromes of the pages ``index`` (block ids on the pages' device) where they live:

@@ -32,7 +32,6 @@ import torch
 import xxhash
 
 from vllm_kvguard.digest.checks import PendingCheck
-from vllm_kvguard.digest.dtypes import nonfinite_words
 from vllm_kvguard.digest.kernel import CHECK, P1, P2, P3, P5, RECORD, RowGeometry, _avalanche
 
 _MASK = (1 << 64) - 1
@@ -285,17 +284,6 @@ class HostRows:
                 ok &= (got == lanes[:, start : start + count, part.start : part.start + run]).all(axis=(1, 2))
         return ok
 
-    def nonfinite(self, rows: np.ndarray, out: np.ndarray) -> None:
-        """Fill ``out`` (rows, layers) with which gathered ``rows`` (:meth:`gather`'s) hold NaN or
-        Inf in each layer; left as it is if a layer's row is not whole 64-bit words."""
-        layer_bytes = rows.shape[1] // len(self.flat)
-        if layer_bytes % 8 or not len(rows):
-            return
-        words = rows.view(np.int64).reshape(len(rows) * len(self.flat), layer_bytes // 8)
-        flags = nonfinite_words(words, self.dtype)
-        if flags is not None:
-            out[:] = flags.reshape(len(rows), len(self.flat))
-
 
 def row_digests_reference(rows: np.ndarray, slots: Sequence[int]) -> np.ndarray:
     """The device path's row digest of each row (uint8 array, one row per line; a multiple of 8
@@ -384,25 +372,13 @@ class RowDigests:
     def nbytes(self) -> int:
         return self.rows.nbytes + self.previous.nbytes
 
-    def hash(
-        self,
-        blocks: np.ndarray,
-        slots: np.ndarray,
-        nonfinite: np.ndarray | None = None,
-        tested: np.ndarray | None = None,
-    ) -> np.ndarray:
-        """Digests of the rows (blocks[i], slots[i]) as they are now, uint64 (never 0).
-
-        ``nonfinite``: a (rows, layers) bool array to fill with which rows hold NaN or Inf in
-        which layer, tested on the rows gathered for hashing (no other pass over the pages);
-        left as it is where the rows cannot be tested here (off the host, other dtypes).
-        ``tested``: only these rows (ascending indices) are tested; ``nonfinite`` has one line
-        each."""
+    def hash(self, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Digests of the rows (blocks[i], slots[i]) as they are now, uint64 (never 0)."""
         n = len(blocks)
         if not n:
             return np.zeros(0, dtype=np.uint64)
         if self.host is not None:
-            return self._hash_host(self.host, blocks, np.asarray(slots, dtype=np.int64), nonfinite, tested)
+            return self._hash_host(self.host, blocks, np.asarray(slots, dtype=np.int64))
         b = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
         s = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
         # One gather per layer of just these rows, layers side by side: (rows, bytes).
@@ -415,26 +391,12 @@ class RowDigests:
     # gather and the hash (a prefill's thousands of rows at once were 5-10x slower per row).
     CHUNK = 256
 
-    def _hash_host(
-        self,
-        host: HostRows,
-        blocks: np.ndarray,
-        slots: np.ndarray,
-        nonfinite: np.ndarray | None,
-        tested: np.ndarray | None,
-    ) -> np.ndarray:
+    def _hash_host(self, host: HostRows, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
         n = len(blocks)
         out = np.empty(n, dtype=np.uint64)
         for lo in range(0, n, self.CHUNK):
             hi = min(n, lo + self.CHUNK)
             raw = host.gather(blocks[lo:hi], slots[lo:hi], reuse=True)
-            if nonfinite is not None:
-                if tested is None:
-                    host.nonfinite(raw, nonfinite[lo:hi])
-                else:
-                    a, b = np.searchsorted(tested, (lo, hi))
-                    if b > a:
-                        host.nonfinite(raw[tested[a:b] - lo], nonfinite[a:b])
             out[lo:hi] = _xxh3_rows(raw, slots[lo:hi])
         return out
 
@@ -449,29 +411,19 @@ class RowDigests:
             digests[missed] = self.hash(blocks[missed], slots[missed])
         return digests
 
-    def record(
-        self,
-        blocks: np.ndarray,
-        slots: np.ndarray,
-        nonfinite: np.ndarray | None = None,
-        tested: np.ndarray | None = None,
-        written: np.ndarray | None = None,
-    ) -> np.ndarray:
+    def record(self, blocks: np.ndarray, slots: np.ndarray, written: np.ndarray | None = None) -> np.ndarray:
         """Hash rows just written and keep their digests; returns which of them equal what the
-        block's previous owner had at that slot (a write that did not land). ``nonfinite``,
-        ``tested``: as in :meth:`hash`. ``written`` (host rows only, without ``nonfinite``): the
+        block's previous owner had at that slot (a write that did not land). ``written`` (host rows only): the
         bytes vLLM was asked to write to each row (rows x row_bytes, :class:`HostRows`' order); a
         row's digest is taken from them where the page shows they landed
         (:meth:`HostRows.landed`), instead of gathering the row back out of its page, and from
         the page where not."""
         if written is not None and self.host is not None and len(blocks):
-            if nonfinite is not None:
-                raise ValueError("rows recorded from the bytes written are not tested for NaN/Inf here")
             b = np.asarray(blocks, dtype=np.int64)
             s_ = np.asarray(slots, dtype=np.int64)
             digests = self._hash_written(self.host, b, s_, written)
         else:
-            digests = self.hash(blocks, slots, nonfinite, tested)
+            digests = self.hash(blocks, slots)
         previous = self.previous[blocks, slots]
         self.rows[blocks, slots] = digests
         return (digests == previous) & (previous != 0)
@@ -482,12 +434,11 @@ class RowDigests:
         r, s = np.nonzero(self.rows[ids])
         return ids[r], s.astype(np.int64)
 
-    def check(self, blocks: np.ndarray, slots: np.ndarray, nonfinite: np.ndarray | None = None) -> np.ndarray:
-        """Indices of the rows (blocks[i], slots[i]) that changed since they were recorded.
-        ``nonfinite``: as in :meth:`hash`."""
+    def check(self, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Indices of the rows (blocks[i], slots[i]) that changed since they were recorded."""
         if not len(blocks):
             return np.zeros(0, dtype=np.int64)
-        return np.flatnonzero(self.hash(blocks, slots, nonfinite) != self.rows[blocks, slots])
+        return np.flatnonzero(self.hash(blocks, slots) != self.rows[blocks, slots])
 
     def _ids(self, blocks: Sequence[int], slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return (
@@ -666,13 +617,7 @@ class DeviceRowDigests(RowDigests):
         )
         return RowCheck(pending, b, changed)
 
-    def hash(
-        self,
-        blocks: np.ndarray,
-        slots: np.ndarray,
-        nonfinite: np.ndarray | None = None,
-        tested: np.ndarray | None = None,
-    ) -> np.ndarray:
+    def hash(self, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """As :meth:`RowDigests.hash` (reads back and waits: drills and diagnosis only)."""
         if not len(blocks):
             return np.zeros(0, dtype=np.uint64)

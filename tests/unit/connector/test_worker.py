@@ -256,9 +256,10 @@ def test_rows_are_digested_as_written_and_equal_the_rows_read_back() -> None:
     assert worker.rows_as_written == 3
     # The same digests as the rows gathered back out of the page.
     assert (worker.rows.rows[2, :3] == worker.rows.hash(np.array([2, 2, 2]), np.array([0, 1, 2]))).all()
-    # The row of a page being sealed is read from its page (the NaN/Inf test judges the page).
+    # The rows of a page being sealed too (its seal, syndromes and NaN/Inf test read the page).
     _forward_step(worker, kv, _written(2, 3, list(range(16)), [3]), seed=2)
-    assert worker.rows_as_written == 3 and worker.table is not None and worker.table.sealed[3]
+    assert worker.rows_as_written == 3 + 16 and worker.table is not None and worker.table.sealed[3]
+    assert (worker.rows.rows[3] == worker.rows.hash(np.full(16, 3), np.arange(16))).all()
 
 
 def test_a_write_that_did_not_land_under_the_wrapper_is_a_lost_write() -> None:

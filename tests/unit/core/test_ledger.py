@@ -1,3 +1,5 @@
+import pytest
+
 from vllm_kvguard.core.ledger import BlockLedger, BlockState, ScheduledRequest, Violation
 
 BS = 4
@@ -132,6 +134,24 @@ def test_sampled_covers_every_page_within_the_bound() -> None:
         assert len(plan.read_verify) <= budget
         seen.extend(plan.read_verify)
     assert set(seen) == {1, 2, 3, 4, 5}
+
+
+@pytest.mark.parametrize("small", [64, 0])
+def test_pages_shared_by_readers_are_verified_once_in_first_read_order(small: int) -> None:
+    """Dedup of a step's reads: the dict path for a few pages and numpy's for many agree."""
+    ledger = BlockLedger(32, BS)
+    ledger._SMALL_READS = small
+    ledger.plan([req("a", 0, 12, True, [1, 2, 3], [1, 2, 3]), req("b", 0, 8, True, [4, 5], [4, 5])])
+    ledger.plan([req("c", 8, 2, True, [9], [4, 5, 9])])  # c hits b's two pages
+    running = [
+        req("b", 8, 1, False, [], [4, 5, 7]),
+        req("a", 12, 1, False, [], [1, 2, 3, 6]),
+        req("c", 10, 1, False, [], [4, 5, 9]),
+    ]
+    plan = ledger.plan(running, read_budget=None)
+    assert plan.read_verify == [4, 5, 1, 2, 3]
+    assert plan.read_partial == [9]  # c's page with rows written, not yet full
+    assert all(ledger.verified_step[b] == ledger.step for b in [4, 5, 1, 2, 3, 9])
 
 
 def test_reads_skip_unsealed_and_quarantined_pages() -> None:

@@ -128,6 +128,44 @@ def test_nonfinite_finds_exactly_the_pages_with_nan_or_inf(dtype: torch.dtype, b
     assert pages.nonfinite([]).shape == (0, pages.num_layers)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float64])
+@pytest.mark.parametrize("one_buffer", [True, False])
+@pytest.mark.parametrize("scratch", [KVPages.SCRATCH_BYTES, 1, 3 * 256])
+def test_seal_facts_on_host_pages_equal_the_per_layer_path(
+    dtype: torch.dtype, one_buffer: bool, scratch: int
+) -> None:
+    """The host pages' numpy path (every layer at once, one view where the layers share a
+    buffer as vLLM allocates them; through a kept scratch buffer of whole blocks, here also 1
+    and 2 blocks at a time) finds the same NaN/Inf pages and syndromes as the per-layer torch
+    path, twice in a row (the scratch reused); float64, which the exponent test does not cover,
+    takes the torch path."""
+    buffer = (torch.randn(3, 12, 2, 4, 16) * 100).to(dtype)
+    layers = {f"l{i}": buffer[i] if one_buffer else buffer[i].clone() for i in range(3)}
+    pages = KVPages(layers)
+    pages.SCRATCH_BYTES = scratch * buffer.element_size()  # blocks of 3 x 128 elements
+    fast = pages._host_pages
+    if dtype == torch.float64:
+        assert fast is None
+        return
+    assert fast is not None and len(fast[0]) == (1 if one_buffer else 3)
+    if dtype.is_floating_point:
+        layers["l1"][5, 1, 3, 15] = float("nan")
+        layers["l2"][7, 0, 0, 0] = float("-inf")
+        layers["l0"][9, 0, 2, 1] = float("inf")
+        layers["l0"][3] = torch.finfo(dtype).max  # finite
+    ids = [5, 7, 9, 3, 0]
+    pages.seal_facts([11, 10], check_finite=True)  # the scratch holds other pages first
+    flags, syn = pages.seal_facts(ids, check_finite=True)
+    assert pages._scratch is not None
+    assert len(pages._scratch) == max(1, scratch // 384) * 384
+    pages._host_pages = None  # the per-layer torch path, on the same pages
+    want_flags, want_syn = pages.seal_facts(ids, check_finite=True)
+    assert (syn == want_syn).all() and syn.any()
+    assert flags.tolist() == want_flags.tolist()
+    expected = [[False, True, False], [False, False, True], [True, False, False], [False] * 3, [False] * 3]
+    assert flags.tolist() == (expected if dtype.is_floating_point else [[False] * 3] * 5)
+
+
 def test_nonfinite_ignores_integer_caches() -> None:
     pages = KVPages({"a": torch.full((3, 16), 255, dtype=torch.uint8)})
     assert not pages.nonfinite([0, 1, 2]).any()

@@ -134,33 +134,12 @@ def test_strided_and_element_map_gathers_read_the_same_rows() -> None:
         b, s = rng.integers(0, 9, n), rng.integers(0, BS, n)
         assert np.array_equal(host.gather(b, s), by_map.gather(b, s))
         assert np.array_equal(host.gather(b, s, reuse=True), by_map.gather(b, s))
-        flags = np.zeros((n, 3), dtype=bool)
         rows = RowDigests(layers, [PackedRows(t, ordered) for t in layers], 9, BS, host)
-        digests = rows.hash(b, s, flags)
+        digests = rows.hash(b, s)
         assert (
             digests == RowDigests(layers, [PackedRows(t, ordered) for t in layers], 9, BS).hash(b, s)
         ).all()
     assert not HostRows(layers, shuffled).strided
-
-
-def test_nan_in_a_later_chunk_is_flagged_on_its_own_line() -> None:
-    from vllm_kvguard.digest.rows import HostRows
-
-    layers = [_packed_cache(9)[0] for _ in range(2)]
-    _, elements = _packed_cache(9)
-    host = HostRows(layers, elements)
-    rows = RowDigests(layers, [PackedRows(t, host.elements) for t in layers], 9, BS, host)
-    n = RowDigests.CHUNK + 20
-    b = np.arange(n) % 9
-    s = (np.arange(n) // 9) % BS
-    target = RowDigests.CHUNK + 7  # in the second chunk
-    layers[1][b[target]].view(-1)[int(host.elements[s[target]][3])] = float("nan")
-    tested = np.array([3, target, n - 1])
-    flags = np.zeros((len(tested), 2), dtype=bool)
-    rows.hash(b, s, flags, tested)
-    # Every row (block, slot) equal to the target's holds the NaN; only the tested lines are filled.
-    same = (b[tested] == b[target]) & (s[tested] == s[target])
-    assert flags[:, 1].tolist() == same.tolist() and not flags[:, 0].any()
 
 
 def test_layers_in_one_buffer_are_read_through_one_view_each_part() -> None:
