@@ -201,3 +201,17 @@ def test_diagnosis_primitives_hold_for_contiguous_and_split_pages(split: bool) -
     pages.write_word(3, 0, found.word, found.old)
     assert int(pages.digest([3])[0, 0]) == sealed_digest
     assert torch.equal(pages.host_page(3, 0).view(torch.int16), before.view(torch.int16))
+
+
+def test_the_seal_scratch_is_the_documented_size() -> None:
+    """docs/performance.md, "Memory": 4 MiB, or one block of every layer where that is larger."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[3] / "docs" / "performance.md").read_text()
+    assert "`KVPages.SCRATCH_BYTES`: 4 MiB, or one block of every layer where that is" in doc
+    small = KVPages({f"l{i}": torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16) for i in range(4)})
+    small.seal_facts([1], check_finite=True)
+    assert small._scratch is not None and small._scratch.nbytes == 4 << 20  # 128 blocks of 32 KiB
+    large = KVPages({f"l{i}": torch.zeros(2, 16, 8, 128, dtype=torch.bfloat16) for i in range(160)})
+    large.seal_facts([1], check_finite=True)
+    assert large._scratch is not None and large._scratch.nbytes == 160 * 32 << 10  # one 5 MiB block
