@@ -627,11 +627,9 @@ class BlockLedger:
             _, first = np.unique(ids, return_index=True)
             keep = np.sort(first)
             ids, states = ids[keep], states[keep]
-        read = (states == SEALED) | (states == FILLING)
-        self.mark_verified(ids[read], now)
-        partial = ids[states == FILLING]
-        ids = ids[states == SEALED]
-        return ids.tolist(), partial.tolist()
+        sealed, filling = states == SEALED, states == FILLING
+        self.mark_verified(ids[sealed | filling], now)
+        return ids[sealed].tolist(), ids[filling].tolist()
 
     def _read_pages(self, table: np.ndarray, computed_tokens: int) -> np.ndarray:
         """The pages a running request's attention reads: its computed pages and, with rows

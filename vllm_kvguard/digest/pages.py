@@ -61,6 +61,25 @@ def page_runs(page: torch.Tensor) -> list[tuple[int, int]]:
     return runs
 
 
+def layer_step(tensors: Sequence[torch.Tensor]) -> int | None:
+    """Bytes from one layer's KV tensor to the next where there are several and they lie evenly
+    spaced in one buffer with one block stride, as vLLM allocates them (then one strided view
+    reads every layer); None otherwise."""
+    if len(tensors) < 2:
+        return None
+    first = tensors[0]
+    ptrs = [t.data_ptr() for t in tensors]
+    step = ptrs[1] - ptrs[0]
+    even = (
+        step > 0
+        and step % first.element_size() == 0
+        and len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+        and all(b - a == step for a, b in itertools.pairwise(ptrs))
+        and all(t.stride(0) == first.stride(0) for t in tensors)
+    )
+    return step if even else None
+
+
 def _kernel_runs(device: torch.device, runs: list[list[tuple[int, int]]]) -> bool:
     # KVG64 hashes runs as one string only when every run but the last is whole words.
     return kernel_available(device) and all(n % 8 == 0 for layer in runs for _, n in layer[:-1])
@@ -159,17 +178,9 @@ class KVPages:
                 one, shape=(count, self.num_blocks, elements), strides=(step, t.stride(0) * size, size)
             )
 
-        ptrs = [t.data_ptr() for t in self.tensors]
-        step = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
-        even = (
-            len(ptrs) > 1
-            and step > 0
-            and len({t.untyped_storage().data_ptr() for t in self.tensors}) == 1
-            and all(b - a == step for a, b in itertools.pairwise(ptrs))
-            and all(t.stride(0) == first.stride(0) for t in self.tensors)
-        )
-        if even:
-            return [lanes_at(first, len(ptrs), step)], test
+        step = layer_step(self.tensors)
+        if step is not None:
+            return [lanes_at(first, len(self.tensors), step)], test
         return [lanes_at(t, 1, 0) for t in self.tensors], test
 
     def _one_geometry(self) -> Any:

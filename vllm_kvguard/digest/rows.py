@@ -23,7 +23,6 @@ where the rows live with torch (no page leaves the device); its numpy reference 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -33,6 +32,7 @@ import xxhash
 
 from vllm_kvguard.digest.checks import PendingCheck
 from vllm_kvguard.digest.kernel import CHECK, P1, P2, P3, P5, RECORD, RowGeometry, _avalanche
+from vllm_kvguard.digest.pages import layer_step
 
 _MASK = (1 << 64) - 1
 
@@ -191,11 +191,8 @@ class HostRows:
         if fitted is not None:
             elements, self.parts = fitted
             size = first.element_size()
-            ptrs = [f.ctypes.data for f in self.flat]
-            step = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
-            one_buffer = len({t.untyped_storage().data_ptr() for t in tensors}) == 1
-            even = step > 0 and step % size == 0 and all(b - a == step for a, b in itertools.pairwise(ptrs))
-            groups = [(0, len(self.flat))] if one_buffer and even else [(i, 1) for i in range(len(self.flat))]
+            step = layer_step(tensors) or 0
+            groups = [(0, len(self.flat))] if step else [(i, 1) for i in range(len(self.flat))]
             for start, count in groups:
                 self.views.append(
                     (
