@@ -1,11 +1,14 @@
 """Where the guard's time goes, hook by hook, on the `kvguard bench` workload.
 
     python benchmarks/profile_hooks.py [reuse|sampled|paranoid] [--concurrency 16] [--pyinstrument out.txt]
+                                       [--lines module:Class.method,...]
 
 Runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the
 scheduler and worker halves of the guard can be timed directly, then prints
 calls, total and per-call time of each hook and the guard's share of the
-timed generate() call. With --pyinstrument, also writes a sampling profile.
+timed generate() call. With --pyinstrument, also writes a sampling profile; with --lines, prints
+line_profiler's per-line times of the named functions over the timed call (``pip install
+line_profiler``; it slows what it profiles several times, so read its shares, not its totals).
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ def main() -> None:
     ap.add_argument("policy", nargs="?", default="sampled", choices=["reuse", "sampled", "paranoid"])
     ap.add_argument("--pyinstrument", type=Path, help="write a pyinstrument text profile here")
     ap.add_argument("--concurrency", type=int, default=16, help="requests running at once (kvguard bench's)")
+    ap.add_argument(
+        "--lines",
+        default="",
+        help="line-profile these functions, comma-separated module:qualname "
+        "(e.g. vllm_kvguard.connector.worker:KVGuardWorker.wait_for_save)",
+    )
     a = ap.parse_args()
     os.environ.update(
         VLLM_KVGUARD="1",
@@ -92,15 +101,20 @@ def main() -> None:
     cpu.clear()
     prompts = [p for w in work.waves() for p in w]
     params = SamplingParams(temperature=0.0, max_tokens=work.max_tokens, ignore_eos=True)
+    lines = _line_profiler(a.lines) if a.lines else None
     profiler = None
     if a.pyinstrument:
         from pyinstrument import Profiler
 
         profiler = Profiler(interval=0.0002)
         profiler.start()
+    if lines is not None:
+        lines.enable_by_count()
     start, cpu_start = time.perf_counter(), time.thread_time()
     llm.generate(prompts, params, use_tqdm=False)
     elapsed, cpu_elapsed = time.perf_counter() - start, time.thread_time() - cpu_start
+    if lines is not None:
+        lines.disable_by_count()
     if profiler is not None:
         profiler.stop()
         a.pyinstrument.write_text(
@@ -126,6 +140,29 @@ def main() -> None:
                 f"  {name:28s} {len(values):5d} calls {total * 1e3:8.1f} ms {per_call:8.1f} us/call"
                 f" {cpu_us:8.1f} us CPU/call"
             )
+    if lines is not None:
+        lines.print_stats(output_unit=1e-6, stripzeros=True)
+
+
+def _line_profiler(spec: str) -> Any:
+    import importlib
+
+    try:
+        from line_profiler import LineProfiler
+    except ImportError as exc:
+        raise SystemExit("--lines needs line_profiler: pip install line_profiler") from exc
+    profiler = LineProfiler()
+    for item in spec.split(","):
+        module, sep, qualname = item.strip().partition(":")
+        if not sep or not qualname:
+            raise SystemExit(
+                f"--lines: {item!r} is not module:qualname (e.g. vllm_kvguard.core.ledger:BlockLedger.plan)"
+            )
+        target: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+        profiler.add_function(target)
+    return profiler
 
 
 if __name__ == "__main__":
