@@ -139,8 +139,9 @@ def step_views(
     so: SchedulerOutput, block_size: int, manager: Any
 ) -> tuple[list[ScheduledRequest], Decodes | None]:
     """vLLM's scheduler output as the ledger sees it: a view per request that changed (new,
-    resumed, given blocks, more than one token) and, as arrays, the running requests that only
-    decode one token into a page they hold (:class:`Decodes`). The same plan as
+    resumed, given several blocks, more than one token) and, as arrays, the running requests
+    that only decode one token, into a page they hold or the one block they were given
+    (:class:`Decodes`). The same plan as
     :func:`scheduled_requests` (tests/unit/connector/test_scheduler.py); a quiet decode step
     costs a few C-level passes over vLLM's lists, no Python per request."""
     spec = so.scheduled_spec_decode_tokens
@@ -155,10 +156,19 @@ def step_views(
     new_blocks = cached.new_block_ids
     total = getattr(so, "total_num_scheduled_tokens", None)
     single = not spec and total is not None and total - sum(v.num_new for v in views) == n
+    grown: dict[int, int] = {}  # index -> the one block a plain decode was given
     if single and not resumed_ids and new_blocks.count(None) == n:
         changed: list[int] = []
     else:
-        changed = [i for i, b in enumerate(new_blocks) if b is not None]
+        given = [i for i, b in enumerate(new_blocks) if b is not None]
+        changed = []
+        for i in given:
+            added = new_blocks[i]
+            assert added is not None
+            if len(added) == 1 and len(added[0]) == 1:
+                grown[i] = added[0][0]  # one block for its next page: still a plain decode
+            else:
+                changed.append(i)
         if resumed_ids:
             changed += [i for i, r in enumerate(ids) if r in resumed_ids]
         if not single:
@@ -166,6 +176,8 @@ def step_views(
             # some (chunked prefill, drafts) sends those through the views.
             changed += [i for i, r in enumerate(ids) if ntok[r] - len(spec.get(r, ())) != 1]
         changed = sorted(set(changed))
+        for i in changed:
+            grown.pop(i, None)
     nc = np.fromiter(cached.num_computed_tokens, dtype=np.int64, count=n)
     at = None
     if changed:
@@ -176,7 +188,14 @@ def step_views(
         nc = nc[at]
     if not len(nc):
         return views, None
-    return views, Decodes(ids, at, nc, functools.partial(_first_group, manager))
+    decodes = Decodes(ids, at, nc, functools.partial(_first_group, manager))
+    if grown:
+        index = np.fromiter(grown, dtype=np.int64, count=len(grown))
+        if at is not None:
+            index = np.searchsorted(at, index)  # positions among the decodes
+        decodes.grown = index
+        decodes.grown_blocks = np.fromiter(grown.values(), dtype=np.int64, count=len(grown))
+    return views, decodes
 
 
 def request_inputs(request: Request) -> RequestInputs:
@@ -321,8 +340,15 @@ class KVGuardScheduler:
         decoding = decodes.req_ids if decodes is not None else []
         self._recent[plan.step] = RecentStep(requests, decoding, plan.readers)
         self._recent.pop(plan.step - 3, None)
-        self.counters.add("sealed", len(plan.seal))
-        if plan.sealed_pages or plan.hit_pages or plan.given_pages:
+        if plan.seal:
+            self.counters.add("sealed", len(plan.seal))
+        if (
+            plan.sealed_pages
+            or plan.hit_pages
+            or plan.given_pages
+            or plan.given_decodes is not None
+            or plan.sealed_decodes is not None
+        ):
             self._check_identity(plan, meta)
         if len(plan.written_blocks):
             meta.lost_write_rows = self.ledger.lost_write_rows(plan.written_blocks)
@@ -352,6 +378,14 @@ class KVGuardScheduler:
             self.ledger.record_owners(blocks, self.identity.owner_keys(req_id, positions))
         for req_id, positions, blocks in plan.sealed_pages:
             self.ledger.record_identity(req_id, blocks, self.identity.fingerprints(req_id, positions))
+        given, sealed = plan.given_decodes, plan.sealed_decodes
+        if given is not None:  # a decode batch's pages: one call each for all of them
+            self.ledger.record_owners(
+                given.blocks, self.identity.owner_key_each(given.req_ids, given.positions)
+            )
+        if sealed is not None:
+            fingerprints = self.identity.fingerprint_each(sealed.req_ids, sealed.positions)
+            self.ledger.record_identity(sealed.req_ids, sealed.blocks, fingerprints)
         found: list[IdentityMismatch] = []
         hits: dict[str, int] = {}
         for req_id, blocks in plan.hit_pages:
@@ -581,15 +615,16 @@ class KVGuardScheduler:
         by_block: dict[int, list[Detection]] = defaultdict(list)
         nonfinite: dict[int, list[Detection]] = defaultdict(list)
         lost: dict[int, list[Detection]] = defaultdict(list)
-        for d in meta.detections:
-            kind = nonfinite if d.kind == "nonfinite" else lost if d.kind == "write_lost" else by_block
-            kind[d.block_id].append(d)
-        for block, detections in sorted(by_block.items()):
-            self._handle_corruption(block, detections)
-        for block, detections in sorted(nonfinite.items()):
-            self._handle_nonfinite(block, detections)
-        for block, detections in sorted(lost.items()):
-            self._handle_write_lost(block, detections)
+        if meta.detections:
+            for d in meta.detections:
+                kind = nonfinite if d.kind == "nonfinite" else lost if d.kind == "write_lost" else by_block
+                kind[d.block_id].append(d)
+            for block, detections in sorted(by_block.items()):
+                self._handle_corruption(block, detections)
+            for block, detections in sorted(nonfinite.items()):
+                self._handle_nonfinite(block, detections)
+            for block, detections in sorted(lost.items()):
+                self._handle_write_lost(block, detections)
         for d in meta.diagnosed:
             self.counters.add("shapes", label=d.shape)
             self.log.event(
@@ -927,7 +962,7 @@ class KVGuardScheduler:
             return None
         self.counters.add("guard_seconds", self.hook_seconds, label="scheduler")
         self.hook_seconds = 0.0
-        delta, self.counters = self.counters.to_dict(), GuardCounters()
+        delta = self.counters.take()
         if self.exporter is not None:
             self.exporter.observe(delta)
         return delta

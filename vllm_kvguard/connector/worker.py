@@ -188,27 +188,32 @@ class WrittenRows:
             self.broken = True
             return
         if self.slots is None:
-            self.slots = slot_mapping.to("cpu", torch.int64).numpy().copy()
+            if slot_mapping.dtype == torch.int64 and slot_mapping.device.type == "cpu":
+                self.slots = slot_mapping.numpy().copy()
+            else:
+                self.slots = slot_mapping.to("cpu", torch.int64).numpy().copy()
         elif len(self.slots) != n:
             self.broken = True
             return
+        if key.requires_grad or value.requires_grad:  # not under vLLM's inference mode
+            key, value = key.detach(), value.detach()
         # numpy on the same memory: a third of torch's per-call cost for a decode step's rows.
-        self.lanes[:n, layer, : self.half] = key.detach().view(self.lane).numpy().reshape(n, -1)
-        self.lanes[:n, layer, self.half :] = value.detach().view(self.lane).numpy().reshape(n, -1)
+        self.lanes[:n, layer, : self.half] = key.view(self.lane).numpy().reshape(n, -1)
+        self.lanes[:n, layer, self.half :] = value.view(self.lane).numpy().reshape(n, -1)
         self.seen.add(layer)
 
     def find(
         self, blocks: np.ndarray, slots: np.ndarray, block_size: int
-    ) -> tuple[np.ndarray | None, np.ndarray] | None:
+    ) -> tuple[np.ndarray, np.ndarray] | tuple[None, None] | None:
         """(positions, found): where each row (blocks[i], slots[i]) is among this step's written
-        rows (positions None: row i is written row i); None where this step's rows are not all
-        here."""
+        rows; (None, None): every row is, row i as written row i (the usual step); None where
+        this step's rows are not all here."""
         if self.broken or self.slots is None or not len(self.slots) or len(self.seen) < self.num_layers:
             return None
         ids = blocks * block_size + slots
         if len(ids) == len(self.slots) and (ids == self.slots).all():
             # The usual case: the plan's rows in the order the model runner wrote them.
-            return None, np.ones(len(ids), dtype=bool)
+            return None, None
         order = np.argsort(self.slots, kind="stable")
         ordered = self.slots[order]
         at = np.minimum(np.searchsorted(ordered, ids), len(ordered) - 1)
@@ -924,7 +929,7 @@ class KVGuardWorker:
             slots = np.asarray(plan.written_slots, dtype=np.int64)
             same = self._record_rows(blocks, slots)
             self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
-            if same.any() and meta.lost_write_rows.any():
+            if meta.lost_write_rows.any() and same.any():
                 checked = same & meta.lost_write_rows
                 self._lost_writes(meta, blocks[checked], slots[checked])
         self.counters.observe("verify_seconds", time.perf_counter() - start)
@@ -946,14 +951,16 @@ class KVGuardWorker:
         if found is None:
             return self.rows.record(blocks, slots)
         positions, use = found
-        n = len(use)
-        if use.all():
+        if positions is None or use is None:
+            # Every row, in the order written: vLLM's slot mapping is each row's flat index.
+            n = len(blocks)
             self.rows_as_written += n
-            rows = written.raw[:n] if positions is None else written.raw[positions]
-            return self.rows.record(blocks, slots, written=rows)
+            return self.rows.record(blocks, slots, written=written.raw[:n], flat=written.slots)
+        if use.all():
+            self.rows_as_written += len(use)
+            return self.rows.record(blocks, slots, written=written.raw[positions])
         if not use.any():
             return self.rows.record(blocks, slots)
-        assert positions is not None  # positions is None only where every row was found
         same = np.zeros(len(blocks), dtype=bool)
         mine = np.flatnonzero(use)
         same[mine] = self.rows.record(blocks[mine], slots[mine], written=written.raw[positions[mine]])
@@ -1092,8 +1099,7 @@ class KVGuardWorker:
                 rows = self.rows.nbytes() if self.rows is not None else 0
                 self.counters.set("state_bytes", self.table.nbytes() + rows, label="worker")
         if not self.counters.empty():
-            self._worker_meta().counters = self.counters.to_dict()
-            self.counters = GuardCounters()
+            self._worker_meta().counters = self.counters.take()
         # Device checks are read back after vLLM waits for the step's output, not here
         # (no added sync): they ride in the metadata unsettled.
         out, self._out = self._out, None

@@ -66,6 +66,20 @@ class GuardCounters:
             "labelled_gauges": {k: dict(v) for k, v in self.labelled_gauges.items()},
         }
 
+    def take(self) -> dict[str, Any]:
+        """:meth:`to_dict` and start again from empty, without copying: the dicts are handed
+        over (this runs every engine step on both sides)."""
+        out = {
+            "counts": self.counts,
+            "labelled": self.labelled,
+            "observations": self.observations,
+            "gauges": self.gauges,
+            "labelled_gauges": self.labelled_gauges,
+        }
+        self.counts, self.labelled, self.observations = {}, {}, {}
+        self.gauges, self.labelled_gauges = {}, {}
+        return out
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GuardCounters:
         out = cls()
@@ -74,11 +88,13 @@ class GuardCounters:
 
     def absorb(self, data: dict[str, Any]) -> None:
         """Add a delta (as :meth:`to_dict` wrote it) to this one."""
+        counts = self.counts
         for k, v in data.get("counts", {}).items():
-            self.add(k, v)
+            counts[k] = counts.get(k, 0) + v
         for k, labels in data.get("labelled", {}).items():
+            mine = self.labelled.setdefault(k, {})
             for label, v in labels.items():
-                self.add(k, v, label)
+                mine[label] = mine.get(label, 0) + v
         for k, values in data.get("observations", {}).items():
             self.observations.setdefault(k, []).extend(values)
         self.gauges.update(data.get("gauges", {}))

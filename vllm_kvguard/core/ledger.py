@@ -57,10 +57,10 @@ class ScheduledRequest(NamedTuple):
     block_ids: Callable[[], Sequence[int]]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decodes:
-    """The quiet bulk of a decode step, as arrays: running requests that each write one token
-    this step into a page they already hold (no new blocks, not resumed). The ledger places
+    """The bulk of a decode step, as arrays: running requests that each write one token this
+    step into a page they hold or into the one new block they were given (not resumed). The ledger places
     their rows from its own mirror of each request's block table, with numpy, so that a
     request that only decodes costs no Python per step (docs/performance.md). ``block_ids``
     returns a request's whole table where the mirror lacks it (first sight)."""
@@ -69,6 +69,10 @@ class Decodes:
     at: np.ndarray | None  # the positions in it that decode (None: all of them)
     num_computed: np.ndarray  # int64, per decoding request: tokens with KV before this step
     block_ids: Callable[[str], Sequence[int]]
+    # Decodes handed one new block this step (their last page filled): indices into the arrays
+    # above, and the block each was given (appended to its table). None: none.
+    grown: np.ndarray | None = None
+    grown_blocks: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.num_computed)
@@ -76,6 +80,16 @@ class Decodes:
 
 def _ids(values: Sequence[int] | np.ndarray = ()) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
+
+
+# The empty block array every plan starts with (read-only: a plan's arrays are replaced, never
+# written in place), so that a step's plan allocates no arrays it does not fill.
+_NONE = _ids()
+_NONE.flags.writeable = False
+
+
+def _none() -> np.ndarray:
+    return _NONE
 
 
 class _Decoded(NamedTuple):
@@ -88,7 +102,20 @@ class _Decoded(NamedTuple):
     rows: np.ndarray
 
 
-@dataclass
+class PageBatch(NamedTuple):
+    """Pages of many requests, one entry per page (a decode batch's given or sealed pages):
+    ``req_ids[i]``'s page at table position ``positions[i]`` is ``blocks[i]``."""
+
+    req_ids: list[str]
+    positions: np.ndarray
+    blocks: np.ndarray
+
+    def by_request(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """The per-request form of :attr:`StepPlan.sealed_pages` (one page each)."""
+        return [(r, self.positions[i : i + 1], self.blocks[i : i + 1]) for i, r in enumerate(self.req_ids)]
+
+
+@dataclass(slots=True)
 class StepPlan:
     step: int
     seal: list[int] = field(default_factory=list)
@@ -106,13 +133,24 @@ class StepPlan:
     # unfilled pages of running requests to verify (their rows written in earlier steps).
     # (Arrays: one entry per running request per step, never a Python loop over them.)
     given: list[int] = field(default_factory=list)
-    written_blocks: np.ndarray = field(default_factory=_ids)
-    written_slots: np.ndarray = field(default_factory=_ids)
+    written_blocks: np.ndarray = field(default_factory=_none)
+    written_slots: np.ndarray = field(default_factory=_none)
     read_partial: list[int] = field(default_factory=list)
     # Pages whose first slot this step writes: every row they hold is known good after it.
-    started: np.ndarray = field(default_factory=_ids)
+    started: np.ndarray = field(default_factory=_none)
     # Per request with pages handed out this step: (request, positions in its table, blocks).
     given_pages: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)
+    # The same for the decode batch, one entry per page (in neither list above).
+    given_decodes: PageBatch | None = None
+    sealed_decodes: PageBatch | None = None
+
+    def all_given_pages(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """``given_pages`` and ``given_decodes`` in the per-request form."""
+        return self.given_pages + (self.given_decodes.by_request() if self.given_decodes else [])
+
+    def all_sealed_pages(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """``sealed_pages`` and ``sealed_decodes`` in the per-request form."""
+        return self.sealed_pages + (self.sealed_decodes.by_request() if self.sealed_decodes else [])
 
 
 class Violation(StrEnum):
@@ -201,6 +239,9 @@ class BlockLedger:
         # not the same computation (digest/identity.py).
         self.owner_key = np.zeros(num_blocks, dtype=np.uint64)
         self.previous_key = np.zeros(num_blocks, dtype=np.uint64)
+        # Per block, kept with the two keys: both known and different (:meth:`lost_write_rows`,
+        # one gather a step instead of comparing the keys every step).
+        self.lost_evidence = np.zeros(num_blocks, dtype=bool)
 
     @property
     def num_blocks(self) -> int:
@@ -262,8 +303,9 @@ class BlockLedger:
         row = self._row_of.get(req_id)
         return self._table[row, : self._table_len[row]] if row is not None else _ids()
 
-    def _decode_rows(self, decodes: Decodes) -> tuple[np.ndarray, np.ndarray]:
-        """(positions in ``decodes.req_ids``, mirror rows) of the decoding requests."""
+    def _decode_rows(self, decodes: Decodes) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(positions in ``decodes.req_ids``, mirror rows, which of them were read whole from
+        vLLM now (None: none)) of the decoding requests."""
         ids = decodes.req_ids
         last = self._last_decodes
         if last is not None and last[0] == ids:
@@ -272,14 +314,22 @@ class BlockLedger:
             every = np.fromiter(
                 map(self._row_of.get, ids, itertools.repeat(-1)), dtype=np.int64, count=len(ids)
             )
-            self._last_decodes = (ids, every)
-        at = np.arange(len(ids)) if decodes.at is None else decodes.at
-        rows = every[at]
-        if (rows < 0).any():  # first sight of a running request: its table from vLLM
-            for i in np.flatnonzero(rows < 0).tolist():
+            # Cached only where every request is known (the usual step: no check of it again).
+            self._last_decodes = (ids, every) if every.min(initial=0) >= 0 else None
+        # (``rows`` may be the cached array itself: read, never written, by the plan.)
+        if decodes.at is None:
+            at, rows = np.arange(len(ids)), every
+        else:
+            at, rows = decodes.at, every[decodes.at]
+        fetched = None
+        if self._last_decodes is None and (rows < 0).any():
+            # First sight of a running request: its table from vLLM.
+            fetched = rows < 0
+            rows = rows.copy()
+            for i in np.flatnonzero(fetched).tolist():
                 rows[i] = self._set_table(ids[at[i]], decodes.block_ids(ids[at[i]]))
             self._last_decodes = None
-        return at, rows
+        return at, rows, fetched
 
     # ------------------------------------------------------------------ the step's plan
 
@@ -324,14 +374,16 @@ class BlockLedger:
         d_blocks = d_slots = d_index = col = _ids()
         decoded = None
         if decodes is not None and len(decodes):
-            d_index, d_rows = self._decode_rows(decodes)
+            d_index, d_rows, fetched = self._decode_rows(decodes)
+            if decodes.grown is not None and len(decodes.grown):
+                self._grow(decodes, d_index, d_rows, fetched, plan)
             nc = decodes.num_computed
             col = nc // bs
-            short = np.flatnonzero(col >= self._table_len[d_rows])
-            for i in short.tolist():  # a table the views did not show whole
-                req_id = decodes.req_ids[d_index[i]]
-                self._set_table(req_id, decodes.block_ids(req_id))
-            if len(short):
+            over = col >= self._table_len[d_rows]
+            if over.any():
+                for i in np.flatnonzero(over).tolist():  # a table the views did not show whole
+                    req_id = decodes.req_ids[d_index[i]]
+                    self._set_table(req_id, decodes.block_ids(req_id))
                 known = col < self._table_len[d_rows]
                 d_index, d_rows, col, nc = d_index[known], d_rows[known], col[known], nc[known]
             d_blocks = self._table[d_rows, col].astype(np.int64)
@@ -358,19 +410,85 @@ class BlockLedger:
             if len(fill):
                 fill = fill[self.state[d_blocks[fill]] != QUARANTINED]
                 self._sealed(d_blocks[fill], plan)
-                for i in fill.tolist():
-                    plan.sealed_pages.append(
-                        (decodes.req_ids[d_index[i]], col[i : i + 1], d_blocks[i : i + 1])
+                if len(fill):
+                    names = decodes.req_ids
+                    plan.sealed_decodes = PageBatch(
+                        [names[i] for i in d_index[fill].tolist()], col[fill], d_blocks[fill]
                     )
-        plan.written_blocks = np.concatenate([_ids(rows_b), d_blocks])
-        plan.written_slots = np.concatenate([_ids(rows_s), d_slots])
-        plan.started = np.concatenate([_ids(started), d_blocks[d_slots == 0]])
+        if rows_b:
+            plan.written_blocks = np.concatenate([_ids(rows_b), d_blocks])
+            plan.written_slots = np.concatenate([_ids(rows_s), d_slots])
+        else:  # a step of decodes only
+            plan.written_blocks, plan.written_slots = d_blocks, d_slots
+        begun = d_blocks[d_slots == 0] if len(d_blocks) else d_blocks
+        plan.started = np.concatenate([_ids(started), begun]) if started else begun
         if plan.seal or plan.verify or len(plan.started):
             self.mark_verified(np.concatenate([_ids(plan.seal), _ids(plan.verify), plan.started]), now)
         if read_budget != 0:
             running = [(r.req_id, r.num_computed) for r in requests if not r.fresh and r.num_computed >= bs]
             plan.read_verify, plan.read_partial = self._reads(running, decoded, read_budget, now)
         return plan
+
+    def _grow(
+        self,
+        decodes: Decodes,
+        d_index: np.ndarray,
+        d_rows: np.ndarray,
+        fetched: np.ndarray | None,
+        plan: StepPlan,
+    ) -> None:
+        """Decodes given one new block this step: append it to each one's mirrored table
+        (unless the table was just read whole from vLLM, which has it already) and allocate
+        them all at once, as the views path does one request at a time."""
+        assert decodes.grown is not None and decodes.grown_blocks is not None
+        grown, blocks = decodes.grown, decodes.grown_blocks.astype(np.int64)
+        rows = d_rows[grown]
+        names = decodes.req_ids
+        req_ids = [names[i] for i in d_index[grown].tolist()]
+        ends = self._table_len[rows]
+        append = np.ones(len(grown), dtype=bool) if fetched is None else ~fetched[grown]
+        if append.any():
+            width = int(ends[append].max()) + 1
+            if width > self._table.shape[1]:
+                wider = np.full(
+                    (len(self._table), max(width, 2 * self._table.shape[1], 16)), -1, dtype=np.int32
+                )
+                wider[:, : self._table.shape[1]] = self._table
+                self._table = wider
+            self._table[rows[append], ends[append]] = blocks[append]
+            self._table_len[rows[append]] += 1
+            ends = ends + append
+        positions = ends - 1
+        self._allocate_many(req_ids, blocks, plan)
+        plan.given.extend(blocks.tolist())
+        plan.given_decodes = PageBatch(req_ids, positions, blocks)
+
+    def _allocate_many(self, req_ids: list[str], blocks: np.ndarray, plan: StepPlan) -> None:
+        """:meth:`_allocate` of one block each for many requests, in a few numpy calls. The
+        audit's rare cases (a block given twice, a quarantined block, one still being written)
+        go through :meth:`_allocate` one request at a time, with its messages."""
+        states = self.state[blocks]
+        odd = (states == QUARANTINED) | (states == FILLING)
+        if odd.any() or len(np.unique(blocks)) != len(blocks):
+            for i, req_id in enumerate(req_ids):
+                self._allocate(req_id, blocks[i : i + 1], plan)
+            return
+        sealed = states == SEALED
+        if sealed.any():
+            plan.forget.extend(blocks[sealed].tolist())
+            for i in np.flatnonzero(sealed & (self.held[blocks] > 0)).tolist():
+                block = int(blocks[i])
+                holder = next(iter(self.holders_of(block)), None)
+                if holder is not None and holder != req_ids[i]:
+                    self.violations.append(
+                        LifecycleViolation(block, req_ids[i], Violation.DOUBLE_ALLOCATION, holder)
+                    )
+        numbers = [self._number(r) for r in req_ids]
+        self._owned(blocks, numbers)
+        self.held[blocks] += 1  # (each block once: checked above)
+        given = self._given
+        for i, number in enumerate(numbers):
+            given.setdefault(number, []).append(blocks[i : i + 1])
 
     def _seal(self, req_id: str, blocks: np.ndarray, first: int, plan: StepPlan) -> None:
         """``req_id``'s pages ``first``.. (``blocks``) are full after this step's forward."""
@@ -441,6 +559,11 @@ class BlockLedger:
 
     def _own(self, blocks: np.ndarray, req_id: str) -> None:
         number = self._number(req_id)
+        self._owned(blocks, number)
+        self._hold(number, blocks)
+
+    def _owned(self, blocks: np.ndarray, writers: int | list[int]) -> None:
+        """Blocks handed to new writers (a request number, or one per block)."""
         self.state[blocks] = FILLING
         self.fingerprint[blocks] = 0
         # Nothing of the new owner's is known good yet (a previous life's checks do not count).
@@ -448,8 +571,8 @@ class BlockLedger:
         self.verified_before[blocks] = -1
         self.previous_key[blocks] = self.owner_key[blocks]
         self.owner_key[blocks] = 0
-        self.writer_of[blocks] = number
-        self._hold(number, blocks)
+        self.lost_evidence[blocks] = False
+        self.writer_of[blocks] = writers
 
     def _hold(self, number: int, blocks: np.ndarray) -> None:
         self.held[blocks] += 1
@@ -554,6 +677,8 @@ class BlockLedger:
 
     # Up to this many pages read in a step are deduplicated without numpy's sort.
     _SMALL_READS = 64
+    # Up to this many are checked and marked in Python (:meth:`_few_reads`).
+    _FEW_READS = 8
 
     def _reads(
         self, running: list[tuple[str, int]], decoded: _Decoded | None, budget: int | None, now: float
@@ -593,7 +718,10 @@ class BlockLedger:
                 table = self._read_pages(self.table(req_id), computed_tokens)
                 if len(table) > left:
                     offset = self._read_window.get(req_id, 0) % len(table)
-                    table = np.concatenate((table[offset:], table[:offset]))[:left]
+                    if offset + left <= len(table):
+                        table = table[offset : offset + left]
+                    else:
+                        table = np.concatenate((table[offset:], table[:offset]))[:left]
                     self._read_window[req_id] = offset + left
                 chosen.append(table)
                 names.append(req_id)
@@ -606,6 +734,8 @@ class BlockLedger:
             if len(self._read_window) > 4 * count + 64:
                 live = {r for r, _ in running} | set(decoded.req_ids if decoded is not None else ())
                 self._read_window = {k: v for k, v in self._read_window.items() if k in live}
+            if sum(len(t) for t in chosen) <= self._FEW_READS:
+                return self._few_reads(chosen, names, now)
             ids = np.concatenate(chosen).astype(np.int64) if chosen else _ids()
             owner = np.repeat(np.arange(len(chosen)), [len(t) for t in chosen])
         # One numpy pass instead of a Python test per page: keep sealed pages, first
@@ -630,6 +760,39 @@ class BlockLedger:
         sealed, filling = states == SEALED, states == FILLING
         self.mark_verified(ids[sealed | filling], now)
         return ids[sealed].tolist(), ids[filling].tolist()
+
+    def _few_reads(
+        self, chosen: list[np.ndarray], names: list[str], now: float
+    ) -> tuple[list[int], list[int]]:
+        """:meth:`_reads` for a sampled step's few pages (the default budget reads one or two):
+        the same checks and marks in Python over the handful of ids, a few times cheaper than
+        the dozen numpy calls of the general path."""
+        state, step = self.state, self.step
+        first: dict[int, int] = {}
+        for reader, table in enumerate(chosen):
+            for block in table.tolist():
+                if state[block] == FREE:
+                    self.violations.append(
+                        LifecycleViolation(block, names[reader], Violation.FREE_BLOCK_READ)
+                    )
+                first.setdefault(block, reader)
+        sealed: list[int] = []
+        filling: list[int] = []
+        for block in first:
+            s_ = state[block]
+            if s_ == SEALED:
+                sealed.append(block)
+            elif s_ == FILLING:
+                filling.append(block)
+            else:
+                continue
+            # mark_verified, one block at a time.
+            self.checked_at[block] = now
+            last = self.verified_step[block]
+            if last != step:
+                self.verified_before[block] = last
+            self.verified_step[block] = step
+        return sealed, filling
 
     def _read_pages(self, table: np.ndarray, computed_tokens: int) -> np.ndarray:
         """The pages a running request's attention reads: its computed pages and, with rows
@@ -658,10 +821,16 @@ class BlockLedger:
             return _ids(), _ids()
         return np.concatenate(parts).astype(np.int64), np.concatenate(owner).astype(np.int64)
 
-    def record_identity(self, req_id: str, blocks: np.ndarray, fingerprints: np.ndarray) -> None:
-        """The fingerprints of pages ``req_id`` sealed (0 where not known)."""
+    def record_identity(self, req_id: str | list[str], blocks: np.ndarray, fingerprints: np.ndarray) -> None:
+        """The fingerprints of pages ``req_id`` sealed (0 where not known); ``req_id`` may name
+        the sealer of each block (a decode batch's pages)."""
         self.fingerprint[blocks] = fingerprints
-        self.sealed_by[blocks] = req_id
+        if isinstance(req_id, str):
+            self.sealed_by[blocks] = req_id
+        else:
+            names = np.empty(len(req_id), dtype=object)
+            names[:] = req_id
+            self.sealed_by[blocks] = names
 
     def identity_mismatches(
         self, req_id: str, blocks: np.ndarray, fingerprints: np.ndarray
@@ -680,16 +849,16 @@ class BlockLedger:
     def record_owners(self, blocks: np.ndarray, keys: np.ndarray) -> None:
         """Who the blocks handed out this step were handed to (see ``owner_key``)."""
         self.owner_key[blocks] = keys
+        now, before = self.owner_key[blocks], self.previous_key[blocks]
+        self.lost_evidence[blocks] = (now != before) & (now != 0) & (before != 0)
 
     def lost_write_rows(self, blocks: Sequence[int] | np.ndarray) -> np.ndarray:
         """Which of the rows written this step (their blocks, in order) could tell a lost write:
         the block's previous owner computed something else at that page position (both owners
         known), so a row that reads back as that owner's is then a lost write. Where they
         computed the same (a resumed or recomputed request) or either is unknown, equal rows are
-        no evidence. One mask, no sort: it runs on every step."""
-        ids = np.asarray(blocks, dtype=np.int64)
-        now, before = self.owner_key[ids], self.previous_key[ids]
-        return (now != before) & (now != 0) & (before != 0)
+        no evidence. One gather, no sort: it runs on every step."""
+        return self.lost_evidence[np.asarray(blocks, dtype=np.int64)]
 
     def lost_write_candidates(self, blocks: Sequence[int] | np.ndarray) -> list[int]:
         """The blocks of :meth:`lost_write_rows`, once each."""

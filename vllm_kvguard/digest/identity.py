@@ -89,16 +89,38 @@ class PageIdentity:
         out[inside] = have[pos[inside]]
         return out
 
+    def fingerprint_each(self, req_ids: Sequence[str], positions: np.ndarray) -> np.ndarray:
+        """:meth:`fingerprints` of one page each of many requests (``req_ids[i]``'s page at
+        ``positions[i]``; a decode batch's pages), uint64, 0 where unknown."""
+        return np.fromiter(
+            map(self._fingerprint, req_ids, positions.tolist()), dtype=np.uint64, count=len(req_ids)
+        )
+
+    def _fingerprint(self, req_id: str, p: int) -> int:
+        inputs = self.requests.get(req_id)
+        if inputs is None or p < 0:
+            return 0
+        pages = self._pages(inputs, p + 1)
+        return pages[p] if p < len(pages) else 0
+
+    def owner_key_each(self, req_ids: Sequence[str], positions: np.ndarray) -> np.ndarray:
+        """:meth:`owner_keys` of one page position each of many requests."""
+        return np.fromiter(
+            map(self._owner_key, req_ids, positions.tolist()), dtype=np.uint64, count=len(req_ids)
+        )
+
+    def _owner_key(self, req_id: str, p: int) -> int:
+        parent = self._fingerprint(req_id, p - 1) if p else ROOT * (req_id in self.requests)
+        key = ((parent * 0x9E3779B185EBCA87) & 0xFFFFFFFFFFFFFFFF) ^ p if parent else 0
+        return key or (1 if parent else 0)
+
     def owner_keys(self, req_id: str, positions: np.ndarray) -> np.ndarray:
         """A key per page position of the request: the same for two requests exactly when they
         write that position after the same prefix (the fingerprint of the page before it, and the
         position), so their rows there are the same computation. 0: unknown."""
         positions = np.asarray(positions, dtype=np.int64)
-        if len(positions) == 1:  # one block handed out (a decode step): plain ints
-            p = int(positions[0])
-            parent = int(self.fingerprints(req_id, [p - 1])[0]) if p else ROOT * (req_id in self.requests)
-            key = ((parent * 0x9E3779B185EBCA87) & 0xFFFFFFFFFFFFFFFF) ^ p if parent else 0
-            return np.array([key or (1 if parent else 0)], dtype=np.uint64)
+        if len(positions) == 1:  # one block handed out: plain ints
+            return np.array([self._owner_key(req_id, int(positions[0]))], dtype=np.uint64)
         parents = self.fingerprints(req_id, np.maximum(positions - 1, 0))
         parents[positions == 0] = ROOT if req_id in self.requests else 0
         with np.errstate(over="ignore"):

@@ -107,9 +107,9 @@ def _run_both(steps: list[Any], budget: int | None) -> None:
             assert sorted(getattr(a, name)) == sorted(getattr(b, name)), name
         assert sorted(a.started.tolist()) == sorted(b.started.tolist())
         assert a.readers == b.readers and a.unverified_hits == b.unverified_hits
-        for name in ("sealed_pages", "given_pages"):
-            assert sorted((r, p.tolist(), k.tolist()) for r, p, k in getattr(a, name)) == sorted(
-                (r, p.tolist(), k.tolist()) for r, p, k in getattr(b, name)
+        for name in ("all_sealed_pages", "all_given_pages"):
+            assert sorted((r, p.tolist(), k.tolist()) for r, p, k in getattr(a, name)()) == sorted(
+                (r, p.tolist(), k.tolist()) for r, p, k in getattr(b, name)()
             ), name
         hits = [sorted((r, h.tolist()) for r, h in p.hit_pages) for p in (a, b)]
         assert hits[0] == hits[1]

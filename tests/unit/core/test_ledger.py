@@ -347,3 +347,131 @@ def test_unfilled_pages_are_verified_with_the_pages_read_and_owner_keys_roll() -
     assert ledger.lost_write_candidates([2]) == []
     ledger.record_owners(np.array([2]), np.array([7], dtype=np.uint64))
     assert ledger.lost_write_candidates([2, 2]) == [2]
+    assert ledger.lost_write_rows([3, 2]).tolist() == [False, True]
+    # Handed out again: its new owner unknown until recorded (the evidence is kept per block,
+    # and must follow the keys).
+    ledger.release_request("b")
+    ledger.plan([req("c", 0, 1, True, [2], [2])])
+    assert ledger.previous_key[2] == 7 and ledger.lost_write_candidates([2]) == []
+    ledger.record_owners(np.array([2]), np.array([7], dtype=np.uint64))
+    assert ledger.lost_write_candidates([2]) == []
+
+
+def _sampled_run(few: int) -> list[tuple]:
+    """Sampled reads over several steps: shared pages, an unfilled page, a free block in a
+    table; views and decodes (as arrays) both; every step's reads and what they marked."""
+    import numpy as np
+
+    from vllm_kvguard.core.ledger import Decodes
+
+    ledger = BlockLedger(32, BS)
+    ledger._FEW_READS = few
+    ledger.plan([req("a", 0, 12, True, [1, 2, 3], [1, 2, 3]), req("b", 0, 8, True, [4, 5], [4, 5])])
+    ledger.plan([req("c", 8, 2, True, [9], [4, 5, 9])])  # c hits b's two pages
+    ledger.plan([req("d", 0, 6, True, [10, 11], [10, 11])])
+    ledger.state[11] = BlockState.FREE  # d's table holds a block the ledger saw given back
+    out = []
+    computed = {"b": 8, "a": 12, "c": 10, "d": 6}
+    tables = {"b": [4, 5, 7], "a": [1, 2, 3, 6], "c": [4, 5, 9], "d": [10, 11]}
+    for step in range(10):  # (the same decode position each step: enough for the reads)
+        views = [req("b", computed["b"], 1, False, [], tables["b"])]
+        ids = ["a", "c", "d"]
+        decodes = Decodes(ids, None, np.array([computed[r] for r in ids], dtype=np.int64), tables.get)
+        budget = 1 + step % 4
+        plan = ledger.plan(views, read_budget=budget, now=float(step), decodes=decodes)
+        out.append(
+            (
+                plan.read_verify,
+                plan.read_partial,
+                [(v.block_id, v.req_id, v.what) for v in ledger.take_violations()],
+                ledger.verified_step.tolist(),
+                ledger.verified_before.tolist(),
+                ledger.checked_at.tolist(),
+            )
+        )
+    return out
+
+
+def test_sampled_reads_of_a_few_pages_match_the_general_path() -> None:
+    """The Python path for a sampled step's few pages (_few_reads) against the numpy path."""
+    few, general = _sampled_run(8), _sampled_run(0)
+    assert few == general
+    assert any(step[0] for step in few) and any(step[1] for step in few) and any(step[2] for step in few)
+
+
+@pytest.mark.parametrize("case", ["free", "cached", "held", "quarantined", "filling", "twice", "unknown"])
+def test_decodes_given_a_block_plan_as_views_would(case: str) -> None:
+    """A decode handed one new block goes with the decode batch (arrays, one allocation call
+    for all of them); planned as a view per request, the step is the same: tables, allocation
+    audit, page identity entries, rows written."""
+    import numpy as np
+
+    from vllm_kvguard.core.ledger import Decodes
+
+    def run(batch: bool):
+        ledger = BlockLedger(32, BS)
+        # a: 8 tokens (2 full pages); b: 4 (1); c: 8 tokens of a shared prefix, then done.
+        ledger.plan([req("a", 0, 8, True, [1, 2], [1, 2]), req("b", 0, 4, True, [3], [3])])
+        ledger.plan([req("c", 0, 12, True, [4, 5, 6], [4, 5, 6])])
+        ledger.plan([req("d", 0, 2, True, [9], [9])])  # d writes block 9 (half full)
+        ledger.release_request("c")  # c finished: 4, 5, 6 stay cached (sealed)
+        if case == "held":
+            ledger.plan([req("e", 8, 1, True, [10], [4, 5, 10])])  # e hits 4 and 5: held
+        if case == "quarantined":
+            ledger.quarantine([7])
+        if case == "unknown":  # a: first sight, its table read whole from vLLM
+            ledger.release_request("a")
+        new = {
+            "free": {"a": 7, "b": 8},
+            "cached": {"a": 6, "b": 8},
+            "held": {"a": 4, "b": 8},
+            "quarantined": {"a": 7, "b": 8},
+            "filling": {"a": 7, "b": 9},
+            "twice": {"a": 7, "b": 7},
+            "unknown": {"a": 7, "b": 8},
+        }[case]
+        full = {"a": [1, 2, new["a"]], "b": [3, new["b"]]}
+        computed = {"a": 8, "b": 4}
+        if batch:
+            ids = ["a", "b"]
+            decodes = Decodes(
+                ids, None, np.array([computed[r] for r in ids], dtype=np.int64), lambda r: full[r]
+            )
+            decodes.grown = np.array([0, 1])
+            decodes.grown_blocks = np.array([new["a"], new["b"]])
+            plan = ledger.plan([], read_budget=None, decodes=decodes)
+        else:
+            views = [
+                ScheduledRequest(r, computed[r], 1, False, [new[r]], lambda r=r: full[r]) for r in ("a", "b")
+            ]
+            plan = ledger.plan(views, read_budget=None)
+        violations = [(v.block_id, v.req_id, v.holder, v.what) for v in ledger.take_violations()]
+        return (
+            sorted(zip(plan.written_blocks.tolist(), plan.written_slots.tolist(), strict=True)),
+            sorted(plan.given),
+            sorted(plan.forget),
+            sorted(plan.started.tolist()),
+            plan.read_verify,
+            sorted((r, p.tolist(), b.tolist()) for r, p, b in plan.all_given_pages()),
+            sorted(violations),
+            [ledger.table(r).tolist() for r in ("a", "b")],
+            ledger.state.tolist(),
+            ledger.held.tolist(),
+            ledger.writer,
+            ledger.verified_step.tolist(),
+            ledger.footprint(),
+        ), plan
+
+    (batched, plan), (viewed, _) = run(True), run(False)
+    assert batched == viewed
+    assert plan.given_decodes is not None and plan.given_pages == []
+    violations = batched[6]
+    expected = {
+        "held": [(4, "a", "e", Violation.DOUBLE_ALLOCATION)],
+        "quarantined": [(7, "a", None, Violation.QUARANTINED_ALLOCATED)],
+        "filling": [(9, "b", "d", Violation.DOUBLE_ALLOCATION)],
+        "twice": [(7, "b", "a", Violation.DOUBLE_ALLOCATION)],
+    }.get(case, [])
+    assert violations == expected
+    if case == "cached":
+        assert batched[2] == [6]  # the cached page left the prefix cache for its new writer

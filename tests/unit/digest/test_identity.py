@@ -73,3 +73,23 @@ def test_one_position_answers_as_the_array_path_does() -> None:
         == 0
         == identity.owner_keys("unknown", np.array([0, 1]))[0]
     )
+
+
+def test_a_decode_batch_of_pages_answers_as_each_request_would() -> None:
+    # fingerprint_each / owner_key_each (one page each of many requests) against the per-request calls.
+    import numpy as np
+
+    from vllm_kvguard.digest.identity import PageIdentity, RequestInputs, context_bytes
+
+    identity = PageIdentity(4)
+    identity.add("a", RequestInputs(list(range(30)), context_bytes(), (), None))
+    identity.add("b", RequestInputs(list(range(5, 20)), context_bytes(salt="s"), (), None))
+    names = ["a", "b", "unknown", "a", "b", "a"]
+    positions = np.array([0, 2, 1, 6, 4, 8])
+    fingerprints = identity.fingerprint_each(names, positions)
+    keys = identity.owner_key_each(names, positions)
+    for i, (name, p) in enumerate(zip(names, positions.tolist(), strict=True)):
+        assert fingerprints[i] == identity.fingerprints(name, [p])[0]
+        assert keys[i] == identity.owner_keys(name, np.array([p, p]))[0]
+    assert fingerprints.dtype == keys.dtype == np.uint64
+    assert fingerprints[2] == keys[2] == 0 and fingerprints[0] != 0 and fingerprints[4] == 0
