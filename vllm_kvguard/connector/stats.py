@@ -41,7 +41,7 @@ class KVGuardStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return GuardCounters.from_dict(self.data).empty()
+        return GuardCounters.empty_data(self.data)
 
 
 class KVGuardPromMetrics(KVConnectorPromMetrics):

@@ -102,10 +102,15 @@ class GuardCounters:
             self.labelled_gauges.setdefault(k, {}).update(labels)
 
     def empty(self) -> bool:
+        return GuardCounters.empty_data(vars(self))
+
+    @staticmethod
+    def empty_data(data: dict[str, Any]) -> bool:
+        """:meth:`empty` of a delta as :meth:`to_dict` wrote it, without rebuilding it."""
         return not (
-            any(self.counts.values())
-            or any(any(v.values()) for v in self.labelled.values())
-            or any(self.observations.values())
-            or self.gauges
-            or self.labelled_gauges
+            any(data.get("counts", {}).values())
+            or any(any(v.values()) for v in data.get("labelled", {}).values())
+            or any(data.get("observations", {}).values())
+            or data.get("gauges")
+            or data.get("labelled_gauges")
         )

@@ -217,6 +217,7 @@ class BlockLedger:
         self._numbers: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self._given: dict[int, list[np.ndarray]] = {}
+        self._given_count = 0  # blocks in _given, kept as they come and go (the state gauge)
         self._next_number = 0
         self.step = 0
         self.violations: list[LifecycleViolation] = []
@@ -254,7 +255,7 @@ class BlockLedger:
         """Entries of the per-request tables (0 once every request has ended)."""
         return {
             "requests": len(self._numbers),
-            "blocks_given": sum(len(a) for g in self._given.values() for a in g),
+            "blocks_given": self._given_count,
             "read_windows": len(self._read_window),
             "tables": len(self._row_of),
         }
@@ -489,6 +490,7 @@ class BlockLedger:
         given = self._given
         for i, number in enumerate(numbers):
             given.setdefault(number, []).append(blocks[i : i + 1])
+        self._given_count += len(numbers)
 
     def _seal(self, req_id: str, blocks: np.ndarray, first: int, plan: StepPlan) -> None:
         """``req_id``'s pages ``first``.. (``blocks``) are full after this step's forward."""
@@ -577,6 +579,7 @@ class BlockLedger:
     def _hold(self, number: int, blocks: np.ndarray) -> None:
         self.held[blocks] += 1
         self._given.setdefault(number, []).append(blocks)
+        self._given_count += len(blocks)
 
     def holders_of(self, block_id: int) -> list[str]:
         """Live requests whose block table holds ``block_id`` (the rare path: a scan)."""
@@ -662,6 +665,7 @@ class BlockLedger:
         if not given:
             return
         blocks = np.concatenate(given)
+        self._given_count -= len(blocks)
         np.subtract.at(self.held, blocks, 1)
         np.maximum(self.held, 0, out=self.held)
         mine = blocks[self.writer_of[blocks] == number]
