@@ -30,7 +30,7 @@ class KVGuardStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         merged = GuardCounters.from_dict(self.data)
         merged.absorb(other.data)
-        return KVGuardStats(data=merged.to_dict())
+        return KVGuardStats(data=merged.take())
 
     def reduce(self) -> dict[str, int | float]:
         delta = GuardCounters.from_dict(self.data)

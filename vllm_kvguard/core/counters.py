@@ -8,6 +8,7 @@ into Prometheus series).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,26 +59,14 @@ class GuardCounters:
             self.labelled_gauges.setdefault(key, {})[label] = value
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "counts": dict(self.counts),
-            "labelled": {k: dict(v) for k, v in self.labelled.items()},
-            "observations": {k: list(v) for k, v in self.observations.items()},
-            "gauges": dict(self.gauges),
-            "labelled_gauges": {k: dict(v) for k, v in self.labelled_gauges.items()},
-        }
+        return copy.deepcopy(vars(self))
 
     def take(self) -> dict[str, Any]:
         """:meth:`to_dict` and start again from empty, without copying: the dicts are handed
         over (this runs every engine step on both sides)."""
-        out = {
-            "counts": self.counts,
-            "labelled": self.labelled,
-            "observations": self.observations,
-            "gauges": self.gauges,
-            "labelled_gauges": self.labelled_gauges,
-        }
-        self.counts, self.labelled, self.observations = {}, {}, {}
-        self.gauges, self.labelled_gauges = {}, {}
+        out = dict(vars(self))
+        for key in out:  # every field is a dict
+            setattr(self, key, {})
         return out
 
     @classmethod

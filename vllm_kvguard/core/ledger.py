@@ -111,7 +111,7 @@ class PageBatch(NamedTuple):
     blocks: np.ndarray
 
     def by_request(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
-        """The per-request form of :attr:`StepPlan.sealed_pages` (one page each)."""
+        """The per-request form of :attr:`StepPlan.given_pages` / ``sealed_pages`` (one page each)."""
         return [(r, self.positions[i : i + 1], self.blocks[i : i + 1]) for i, r in enumerate(self.req_ids)]
 
 
@@ -291,13 +291,17 @@ class BlockLedger:
         """Mirror ``req_id``'s table as ``blocks`` appended after its first ``keep`` entries."""
         row = self._row(req_id)
         end = keep + len(blocks)
-        if end > self._table.shape[1]:
-            wider = np.full((len(self._table), max(end, 2 * self._table.shape[1], 16)), -1, dtype=np.int32)
-            wider[:, : self._table.shape[1]] = self._table
-            self._table = wider
+        self._widen(end)
         self._table[row, keep:end] = blocks
         self._table_len[row] = end
         return row
+
+    def _widen(self, width: int) -> None:
+        """Room for tables of ``width`` blocks in the mirror (columns grow on demand)."""
+        if width > self._table.shape[1]:
+            wider = np.full((len(self._table), max(width, 2 * self._table.shape[1], 16)), -1, dtype=np.int32)
+            wider[:, : self._table.shape[1]] = self._table
+            self._table = wider
 
     def table(self, req_id: str) -> np.ndarray:
         """The mirror of ``req_id``'s block table (empty if unknown)."""
@@ -329,7 +333,6 @@ class BlockLedger:
             rows = rows.copy()
             for i in np.flatnonzero(fetched).tolist():
                 rows[i] = self._set_table(ids[at[i]], decodes.block_ids(ids[at[i]]))
-            self._last_decodes = None
         return at, rows, fetched
 
     # ------------------------------------------------------------------ the step's plan
@@ -449,13 +452,7 @@ class BlockLedger:
         ends = self._table_len[rows]
         append = np.ones(len(grown), dtype=bool) if fetched is None else ~fetched[grown]
         if append.any():
-            width = int(ends[append].max()) + 1
-            if width > self._table.shape[1]:
-                wider = np.full(
-                    (len(self._table), max(width, 2 * self._table.shape[1], 16)), -1, dtype=np.int32
-                )
-                wider[:, : self._table.shape[1]] = self._table
-                self._table = wider
+            self._widen(int(ends[append].max()) + 1)
             self._table[rows[append], ends[append]] = blocks[append]
             self._table_len[rows[append]] += 1
             ends = ends + append
@@ -478,12 +475,7 @@ class BlockLedger:
         if sealed.any():
             plan.forget.extend(blocks[sealed].tolist())
             for i in np.flatnonzero(sealed & (self.held[blocks] > 0)).tolist():
-                block = int(blocks[i])
-                holder = next(iter(self.holders_of(block)), None)
-                if holder is not None and holder != req_ids[i]:
-                    self.violations.append(
-                        LifecycleViolation(block, req_ids[i], Violation.DOUBLE_ALLOCATION, holder)
-                    )
+                self._taken_from_reader(int(blocks[i]), req_ids[i])
         numbers = [self._number(r) for r in req_ids]
         self._owned(blocks, numbers)
         self.held[blocks] += 1  # (each block once: checked above)
@@ -601,13 +593,8 @@ class BlockLedger:
             plan.forget.extend(blocks[sealed].tolist())
             # A full page leaves the prefix cache for a new writer only when nobody holds it:
             # one still in a live request's block table is being taken from its reader.
-            taken = blocks[sealed & (self.held[blocks] > 0)]
-            for block in taken.tolist():
-                holder = next(iter(self.holders_of(block)), None)
-                if holder is not None and holder != req_id:
-                    self.violations.append(
-                        LifecycleViolation(block, req_id, Violation.DOUBLE_ALLOCATION, holder)
-                    )
+            for block in blocks[sealed & (self.held[blocks] > 0)].tolist():
+                self._taken_from_reader(block, req_id)
         filling = blocks[states == FILLING]
         if len(filling):
             holders = self.writer_of[filling]
@@ -618,6 +605,13 @@ class BlockLedger:
                     LifecycleViolation(block, req_id, Violation.DOUBLE_ALLOCATION, self._names[holder])
                 )
         self._own(blocks, req_id)
+
+    def _taken_from_reader(self, block: int, req_id: str) -> None:
+        """A full page handed to ``req_id`` while a live request holds it: a violation unless
+        the holder is ``req_id`` itself."""
+        holder = next(iter(self.holders_of(block)), None)
+        if holder is not None and holder != req_id:
+            self.violations.append(LifecycleViolation(block, req_id, Violation.DOUBLE_ALLOCATION, holder))
 
     def _hit(self, req_id: str, blocks: np.ndarray, plan: StepPlan) -> None:
         states = self.state[blocks]
