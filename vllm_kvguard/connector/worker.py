@@ -852,10 +852,11 @@ class KVGuardWorker:
             elif injection.at == FaultSite.REST:
                 at_rest.append(injection)
         void: RowCheck | None = None
+        earlier: np.ndarray | None = None
         if isinstance(self.rows, DeviceRowDigests):
             void = self._rows_on_device(meta, seal)
         elif self.rows is not None:
-            seal = self._rows_after_forward(meta, seal)
+            seal, earlier = self._rows_after_forward(meta, seal)
         for injection in filling:
             if not self._corrupt_rows(injection):
                 self._worker_meta().unchanged_faults.append(injection.fault_id)
@@ -871,11 +872,13 @@ class KVGuardWorker:
             )
             self._defer(check, "seal", meta.step, {}, "nonfinite")
             self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
+        elif seal and earlier is not None:
+            self._seal_in_copy(meta, seal, earlier)
         elif seal:
             finite = self.config.nonfinite_mode is not None
             # One gather of the pages being sealed for both the NaN/Inf test and the syndromes.
             flags, facts = self.pages.seal_facts(seal, check_finite=finite)
-            if finite and self._check_finite(meta, flags):
+            if finite and self._check_finite(meta, seal, flags):
                 # Non-finite elements were zeroed: the syndromes must describe what is sealed.
                 facts = self.pages.seal_facts(seal, check_finite=False)[1]
             self.table.seal(seal, self.pages.digest(seal), facts)
@@ -909,16 +912,24 @@ class KVGuardWorker:
         self.counters.observe("verify_seconds", time.perf_counter() - start)
         return at_seal
 
-    def _rows_after_forward(self, meta: KVGuardMetadata, seal: list[int]) -> list[int]:
+    def _rows_after_forward(
+        self, meta: KVGuardMetadata, seal: list[int]
+    ) -> tuple[list[int], np.ndarray | None]:
         """Check the rows of pages about to be sealed that earlier steps wrote (never seal over
         data that changed after it was written), then record the rows this forward wrote and
         report any that still read as the block's previous owner's (a lost write). Returns the
-        pages to seal (those whose rows did not change)."""
-        assert self.rows is not None
+        pages to seal (those whose rows did not change) and, where the seal copies host pages
+        anyway (:meth:`_seal_in_copy`), instead of checking here: the earlier rows' digests
+        (pages, slots; 0 where not written), taken before this step's rows are recorded, for
+        the seal to check in its copy."""
+        assert self.rows is not None and self.pages is not None
         plan = meta.plan
         start = time.perf_counter()
         changed: set[int] = set()
-        if seal:
+        earlier: np.ndarray | None = None
+        if seal and self.rows.host is not None and self.pages.seals_in_copy:
+            earlier = self.rows.rows[np.asarray(seal, dtype=np.int64)]
+        elif seal:
             blocks, slots = self.rows.written(seal)
             if len(blocks):
                 bad = self.rows.check(blocks, slots)
@@ -935,7 +946,49 @@ class KVGuardWorker:
         self.counters.observe("verify_seconds", time.perf_counter() - start)
         if changed:
             seal = [b for b in seal if b not in changed]
-        return seal
+        return seal, earlier
+
+    def _seal_in_copy(self, meta: KVGuardMetadata, seal: list[int], earlier: np.ndarray) -> None:
+        """Seal host pages from one copy of them (:meth:`KVPages.seal_in_copy`): the fill check
+        of the rows earlier steps wrote (``earlier``: their digests, pages x slots), the
+        NaN/Inf test, the syndromes and the digests, each page's bytes read out of the pool
+        once. Pages with a changed row are reported (as :meth:`_rows_after_forward` does) and
+        not sealed."""
+        assert self.rows is not None and self.pages is not None and self.table is not None
+        rows = self.rows
+        finite = self.config.nonfinite_mode is not None
+        bad: list[np.ndarray] = []
+
+        def fill_check(lo: int, pages: np.ndarray) -> None:
+            changed = rows.check_copy(pages, earlier[lo : lo + pages.shape[1]])
+            if len(changed):
+                bad.append(changed + lo * self.block_size)
+
+        flags, facts, digests = self.pages.seal_in_copy(seal, check_finite=finite, visit=fill_check)
+        written = np.flatnonzero(earlier)
+        if len(written):
+            self.counters.add("bytes_hashed", len(written) * rows.row_bytes, label="seal")
+            self._worker_meta().verified_steps.add(meta.step)
+        if bad:
+            # The same findings as the check before the seal: indices into every written row.
+            changed = self._row_findings(
+                meta,
+                np.asarray(seal, dtype=np.int64)[written // self.block_size],
+                written % self.block_size,
+                np.searchsorted(written, np.concatenate(bad)),
+                "seal",
+            )
+            keep = np.asarray([b not in changed for b in seal], dtype=bool)
+            seal = [b for b in seal if b not in changed]
+            flags, facts, digests = flags[keep], facts[keep], digests[keep]
+            if not seal:
+                return
+        if finite and self._check_finite(meta, seal, flags):
+            # Non-finite elements were zeroed: the digests and syndromes describe what is sealed.
+            facts = self.pages.seal_facts(seal, check_finite=False)[1]
+            digests = self.pages.digest(seal)
+        self.table.seal(seal, digests, facts)
+        self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
 
     def _record_rows(self, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Record the rows this forward wrote: from the bytes vLLM's write op was handed where
@@ -1028,11 +1081,11 @@ class KVGuardWorker:
         self.rows.flip(injection.block_id, slots.tolist(), layer, random.Random(injection.seed).randrange(8))
         return True
 
-    def _check_finite(self, meta: KVGuardMetadata, bad: np.ndarray) -> bool:
+    def _check_finite(self, meta: KVGuardMetadata, seal: list[int], bad: np.ndarray) -> bool:
         """Write-time sanity: NaN/Inf in a page being sealed is bad data, not a change at rest.
-        ``bad``: which pages hold NaN/Inf (pages x layers). Returns whether pages were zeroed."""
+        ``bad``: which of the pages ``seal`` hold NaN/Inf (pages x layers). Returns whether
+        pages were zeroed."""
         assert self.pages is not None
-        seal = meta.plan.seal
         if meta.inject:
             self._worker_meta().verified_steps.add(meta.step)
         if not bad.any():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -291,6 +291,34 @@ class KVPages:
             flags[:, finite_layers] = torch.stack(finite_flags, dim=1).cpu().numpy()
         return flags, syn
 
+    @property
+    def seals_in_copy(self) -> bool:
+        """Whether :meth:`seal_in_copy` can seal these pages (host pages of one shape and dtype,
+        each one contiguous run)."""
+        return self._host_pages is not None
+
+    def seal_in_copy(
+        self,
+        block_ids: Sequence[int],
+        *,
+        check_finite: bool,
+        visit: Callable[[int, np.ndarray], None] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Everything a seal records from one copy of the pages being sealed, a chunk at a time:
+        :meth:`seal_facts`' NaN/Inf flags and syndromes, and the digests (what :meth:`digest`
+        returns, hashed from the copy instead of read again out of the pool). ``visit(lo,
+        pages)`` is handed each chunk's copy first, (layers, pages, elements) in the pool's
+        lanes for the pages ``block_ids[lo:lo + pages]`` (the seal's fill check digests the
+        earlier rows there: :meth:`RowDigests.check_copy`); it must not keep or change it.
+        Only where :attr:`seals_in_copy`."""
+        n = len(block_ids)
+        flags = np.zeros((n, self.num_layers), dtype=bool)
+        syn = np.zeros((n, self.num_layers, self.syndrome_words), dtype=np.uint64)
+        digests = np.empty((n, self.num_layers), dtype=np.uint64)
+        if n:
+            self._host_facts(block_ids, check_finite, True, flags, syn, digests, visit)
+        return flags, syn, digests
+
     # Host memory kept for :meth:`_host_facts`' copy of the pages being sealed (at least one
     # block's pages, every layer): reused, so a step's seal allocates nothing. A fresh large
     # numpy array per call was 3-5x slower than the whole computation (every call faulted its
@@ -304,11 +332,15 @@ class KVPages:
         with_syndromes: bool,
         flags: np.ndarray,
         syn: np.ndarray,
+        digests: np.ndarray | None = None,
+        visit: Callable[[int, np.ndarray], None] | None = None,
     ) -> None:
         """:meth:`seal_facts` on host pages: the pages copied into a kept scratch buffer, a
         chunk of blocks at a time (one numpy call where the layers share a buffer), then the
         syndromes' two passes and the NaN/Inf test over that copy, every layer at once (a few
-        numpy calls a step, not a few per layer)."""
+        numpy calls a step, not a few per layer); ``digests`` (pages, layers), where given, are
+        the pages' digests hashed from the copy, and ``visit`` sees each chunk's copy first
+        (:meth:`seal_in_copy`)."""
         assert self._host_pages is not None
         views, test = self._host_pages
         ids = np.asarray(block_ids, dtype=np.int64)
@@ -330,7 +362,14 @@ class KVPages:
             else:
                 for i, view in enumerate(views):
                     np.take(view[0], part, axis=0, out=pages[i], mode="clip")
+            if visit is not None:
+                visit(lo, pages)
             words = pages.reshape(layers * k, elements)
+            if digests is not None:
+                # Each page is one run (_host_pool): its bytes in memory order are its row here.
+                h = self._hash
+                got = np.fromiter(map(h, words.view(np.uint8)), dtype=np.uint64, count=layers * k)
+                digests[lo : lo + k] = got.reshape(layers, k).T
             if with_syndromes:
                 done = finish(*parities(words.view(np.uint8)))[:, : self.syndrome_words]
                 syn[lo : lo + k] = done.reshape(layers, k, -1).swapaxes(0, 1)

@@ -249,6 +249,37 @@ class HostRows:
                 np.take(flat, index, out=out[:, layer, :], mode="clip")
         return out.reshape(n, -1).view(np.uint8)
 
+    def page_rows(self, pages: np.ndarray) -> np.ndarray:
+        """(pages x slots, row_bytes) uint8: every row of pages given as a copy (layers, pages,
+        page elements; :meth:`KVPages.seal_in_copy`), in this class's row order, slot after slot
+        of each page. One transposing copy per part over the copy's own strides (no index
+        arrays): a whole page's rows cost about what gathering a third of them out of the pool
+        did. The result is this object's scratch (valid until the next gather)."""
+        layers, k, _ = pages.shape
+        slots = len(self.elements)
+        n = k * slots
+        if len(self._buffer) < n:
+            self._buffer = np.empty((n, layers, self.width), dtype=self.flat[0].dtype)
+        out = self._buffer[:n].reshape(k, slots, layers, self.width)
+        lanes = pages.view(self._buffer.dtype)
+        if self.parts:
+            size = lanes.itemsize
+            for part in self.parts:
+                grid = np.lib.stride_tricks.as_strided(
+                    lanes[:, :, part.base :],
+                    shape=(layers, k, *part.shape, slots),
+                    strides=(*lanes.strides[:2], *(size * x for x in part.strides), size * part.slot_stride),
+                    writeable=False,
+                )
+                last = grid.ndim - 1
+                np.copyto(
+                    out[..., part.start : part.stop].reshape(k, slots, layers, *part.shape),
+                    grid.transpose(1, last, 0, *range(2, last)),
+                )
+        else:
+            np.copyto(out, np.take(lanes, self.elements, axis=2).transpose(1, 2, 0, 3))
+        return out.reshape(n, -1).view(np.uint8)
+
     def landed(self, blocks: np.ndarray, slots: np.ndarray, written: np.ndarray) -> np.ndarray:
         """Which rows (blocks[i], slots[i]) hold in the page what ``written[i]`` says was written
         there (rows x row_bytes, this class's row order), told by the first contiguous run of
@@ -454,6 +485,19 @@ class RowDigests:
         if not len(blocks):
             return np.zeros(0, dtype=np.int64)
         return np.flatnonzero(self.hash(blocks, slots) != self.rows[blocks, slots])
+
+    def check_copy(self, pages: np.ndarray, expected: np.ndarray) -> np.ndarray:
+        """:meth:`check` over pages given as a copy (:meth:`HostRows.page_rows`): ``expected``
+        (pages, slots) holds the digests the rows must still have (0: a row not checked).
+        Returns the flat indices (page x slots + slot) of the rows that changed."""
+        assert self.host is not None
+        wanted = np.flatnonzero(expected)
+        if not len(wanted):
+            return wanted
+        raw = self.host.page_rows(pages)
+        # Every row hashed (the few not wanted cost less than copying out the rest).
+        got = _xxh3_rows(raw, np.tile(np.arange(self.block_size, dtype=np.int64), len(expected)))
+        return wanted[got[wanted] != expected.reshape(-1)[wanted]]
 
     def _ids(self, blocks: Sequence[int], slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return (

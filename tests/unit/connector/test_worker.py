@@ -310,3 +310,32 @@ def test_the_written_rows_buffer_is_the_documented_size() -> None:
     assert (bench.capacity, bench.nbytes()) == (2048, 16 << 20)
     llama = WrittenRows({}, 32, 2 * 8 * 128, torch.bfloat16)  # Llama-3-8B class: 128 KiB rows
     assert (llama.capacity, llama.nbytes()) == (256, 32 << 20)
+
+
+def test_the_seal_checks_earlier_rows_in_its_copy_and_seals_only_unchanged_pages() -> None:
+    """Pages 1, 2, 3 fill over two steps and seal together: a row page 2 got in the first step
+    changes before the seal (found in the seal's own copy of the pages, located to its slot,
+    page 2 not sealed), page 3 holds a NaN (flagged, zeroed, sealed with the digest of what it
+    holds now), page 1 is sealed as it is."""
+    worker, kv = _rows_worker()
+    assert worker.rows is not None and worker.rows.host is not None and worker.table is not None
+    assert worker.pages is not None and worker.pages.seals_in_copy
+    elements = worker.rows.host.elements
+
+    def written(step: int, rows: list[tuple[int, int]], seal: list[int]) -> KVGuardMetadata:
+        plan = StepPlan(step, seal=seal)
+        plan.written_blocks = np.asarray([b for b, _ in rows], dtype=np.int64)
+        plan.written_slots = np.asarray([s for _, s in rows], dtype=np.int64)
+        return KVGuardMetadata(plan)
+
+    _step(worker, written(1, [(b, s) for b in (1, 2, 3) for s in range(15)], []))
+    kv[2].view(-1)[int(elements[6][9])] += 1.0
+    kv[3].view(-1)[int(elements[15][2])] = float("nan")
+    bad, out = _step(worker, written(2, [(1, 15), (2, 15), (3, 15)], [1, 2, 3]))
+    found = sorted((d.block_id, d.kind, d.trigger) for d in out.detections)  # type: ignore[attr-defined]
+    assert found == [(2, "partial_mismatch", "seal"), (3, "nonfinite", "seal")]
+    [row] = [d for d in out.detections if d.block_id == 2]  # type: ignore[attr-defined]
+    assert row.where == {"slots": [6], "rows_written": 15}
+    assert bad == {2} and worker.table.sealed[[1, 3]].all() and not worker.table.sealed[2]
+    assert torch.isfinite(kv[3]).all()
+    assert (worker.table.digests[[1, 3]] == worker.pages.digest([1, 3])).all()

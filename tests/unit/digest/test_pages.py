@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -215,3 +217,42 @@ def test_the_seal_scratch_is_the_documented_size() -> None:
     large = KVPages({f"l{i}": torch.zeros(2, 16, 8, 128, dtype=torch.bfloat16) for i in range(160)})
     large.seal_facts([1], check_finite=True)
     assert large._scratch is not None and large._scratch.nbytes == 160 * 32 << 10  # one 5 MiB block
+
+
+@pytest.mark.parametrize("algorithm", [HashAlgorithm.XXH3_64, HashAlgorithm.XXH64])
+@pytest.mark.parametrize("scratch", [KVPages.SCRATCH_BYTES, 1, 2 * 384])
+def test_seal_in_copy_records_what_seal_facts_and_digest_do(algorithm: HashAlgorithm, scratch: int) -> None:
+    """One copy of the pages being sealed gives the flags, syndromes and digests that the
+    separate calls read out of the pool, chunk after chunk of the scratch; each chunk's copy
+    is handed to ``visit`` first, at its offset, before the NaN/Inf test clears sign bits."""
+    buffer = (torch.randn(3, 12, 2, 4, 16) * 100).to(torch.bfloat16)
+    layers = {f"l{i}": buffer[i] for i in range(3)}
+    pages = KVPages(layers, algorithm=algorithm)
+    pages.SCRATCH_BYTES = scratch * buffer.element_size()
+    assert pages.seals_in_copy
+    layers["l1"][5, 1, 3, 15] = float("nan")
+    ids = [5, 7, 9, 3, 0]
+    seen: list[tuple[int, int]] = []
+
+    def visit(lo: int, copy: np.ndarray) -> None:
+        k = copy.shape[1]
+        assert copy.shape == (3, k, 128)
+        for j, block in enumerate(ids[lo : lo + k]):
+            for layer in range(3):
+                assert (
+                    copy[layer, j].tobytes() == layers[f"l{layer}"][block].view(torch.uint8).numpy().tobytes()
+                )
+        seen.append((lo, k))
+
+    flags, syn, digests = pages.seal_in_copy(ids, check_finite=True, visit=visit)
+    want_flags, want_syn = pages.seal_facts(ids, check_finite=True)
+    assert (digests == pages.digest(ids)).all()
+    assert (syn == want_syn).all() and flags.tolist() == want_flags.tolist() and flags[0, 1]
+    assert [lo for lo, _ in seen] == list(itertools.accumulate([0, *[k for _, k in seen][:-1]]))
+    assert sum(k for _, k in seen) == len(ids) and (len(seen) > 1) == (scratch < 5 * 384)
+    assert [a.shape for a in pages.seal_in_copy([], check_finite=True)] == [
+        (0, 3),
+        (0, 3, pages.syndrome_words),
+        (0, 3),
+    ]
+    assert not KVPages({"a": buffer[0].to(torch.float64)}).seals_in_copy

@@ -168,3 +168,38 @@ def test_layers_in_one_buffer_are_read_through_one_view_each_part() -> None:
     landed = host.landed(b, s, written)
     assert np.flatnonzero(~landed).tolist() == [5]
     assert (apart.landed(b, s, written) == landed).all()
+
+
+def test_rows_of_a_copy_of_whole_pages_are_the_rows_gathered_from_the_pool() -> None:
+    """The seal's fill check reads rows out of its copy of the pages (HostRows.page_rows): the
+    same bytes, in the same order, as gathering each row from the pool, through the strided
+    views and through the element map; check_copy finds exactly the rows changed after they
+    were recorded and ignores rows not asked for."""
+    from vllm_kvguard.digest.pages import KVPages
+    from vllm_kvguard.digest.rows import HostRows
+
+    _, elements = _packed_cache(9)
+    buffer = torch.randn(3, 9, 2, BS, 16)
+    layers = [buffer[i] for i in range(3)]
+    host = HostRows(layers, elements)
+    by_map = HostRows(layers, host.elements)
+    by_map.parts, by_map.views = [], []
+    pages = KVPages({f"l{i}": t for i, t in enumerate(layers)})
+    ids = np.array([7, 2, 5], dtype=np.int64)
+    copies: list[np.ndarray] = []
+    pages.seal_in_copy(ids.tolist(), check_finite=False, visit=lambda lo, c: copies.append(c.copy()))
+    (copy,) = copies
+    b, s = np.repeat(ids, BS), np.tile(np.arange(BS), len(ids))
+    assert np.array_equal(host.page_rows(copy), host.gather(b, s))
+    assert np.array_equal(by_map.page_rows(copy), host.gather(b, s))
+    rows = RowDigests(layers, [PackedRows(t, host.elements) for t in layers], 9, BS, host)
+    rows.record(b[:-1], s[:-1])  # every row but the last page's last
+    expected = rows.rows[ids]
+    assert rows.check_copy(copy, expected).tolist() == []
+    layers[2][2].view(-1)[int(host.elements[1][3])] += 1.0  # row (2, 1), third layer
+    layers[0][5].view(-1)[int(host.elements[3][0])] += 1.0  # row (5, 3): not recorded
+    copies.clear()
+    pages.seal_in_copy(ids.tolist(), check_finite=False, visit=lambda lo, c: copies.append(c.copy()))
+    assert rows.check_copy(copies[0], expected).tolist() == [1 * BS + 1]
+    assert rows.check(b[:-1], s[:-1]).tolist() == [BS + 1]
+    assert rows.check_copy(copies[0], np.zeros_like(expected)).tolist() == []
