@@ -93,3 +93,33 @@ def test_a_decode_batch_of_pages_answers_as_each_request_would() -> None:
         assert keys[i] == identity.owner_keys(name, np.array([p, p]))[0]
     assert fingerprints.dtype == keys.dtype == np.uint64
     assert fingerprints[2] == keys[2] == 0 and fingerprints[0] != 0 and fingerprints[4] == 0
+
+
+def test_fingerprints_are_the_documented_chain_whether_computed_at_once_or_page_by_page() -> None:
+    """XXH3-64 keyed by the parent (ROOT for page 0) over the page's tokens as int64, 0x1e and
+    the context; media placed in a page go after, through the streaming path: the same values
+    for a prefix computed in one go (a new request) and a page at a time (a decode)."""
+    import xxhash
+
+    from vllm_kvguard.digest.identity import ROOT
+
+    tokens = [7, 1, 9, 4, 100_000, 2, 3, 5, 8, 6, 0, 11]
+    context = context_bytes(salt="s")
+    parent, want = ROOT, []
+    for i in range(3):
+        page = np.asarray(tokens[i * BS : (i + 1) * BS], dtype=np.int64).tobytes()
+        parent = xxhash.xxh3_64_intdigest(page + b"\x1e" + context, parent) or 1
+        want.append(parent)
+    assert fps(RequestInputs(tokens, context), 3) == want
+    live: list[int] = []
+    identity = PageIdentity(BS)
+    identity.add("r", RequestInputs(live, context))
+    for i in range(3):
+        live.extend(tokens[i * BS : (i + 1) * BS])
+        assert identity.fingerprints("r", [i]).tolist() == [want[i]]
+    media = (Media("img", 5, 2),)
+    h = xxhash.xxh3_64(seed=want[0])
+    h.update(np.asarray(tokens[BS : 2 * BS], dtype=np.int64).tobytes() + b"\x1e" + context)
+    h.update(b"\x1dimg@1+2")
+    got = fps(RequestInputs(tokens, context, media=media), 2)
+    assert got == [want[0], h.intdigest()]
