@@ -137,20 +137,6 @@ def written_order_matches(
     return True
 
 
-def _adjacent(key: torch.Tensor, value: torch.Tensor, half: int) -> bool:
-    """Whether each row's value elements follow its key elements in memory (``half`` of each),
-    with the same row stride: then a row's key and value read as one run from the key."""
-    if key.shape != value.shape or key.stride() != value.stride() or key.dim() < 2:
-        return False
-    row = key[0]
-    return (
-        row.is_contiguous()
-        and row.numel() == half
-        and value.data_ptr() - key.data_ptr() == half * key.element_size()
-        and (key.shape[0] == 1 or key.stride(0) >= 2 * half)  # rows do not overlap
-    )
-
-
 class WrittenRows:
     """The rows vLLM's CPU attention was handed to write this step, every layer, kept in the row
     digests' byte order ((key, value) of each layer, layers in order) with the slots they went
@@ -212,16 +198,8 @@ class WrittenRows:
         if key.requires_grad or value.requires_grad:  # not under vLLM's inference mode
             key, value = key.detach(), value.detach()
         # numpy on the same memory: a third of torch's per-call cost for a decode step's rows.
-        keys = key.view(self.lane).numpy()
-        if n and _adjacent(key, value, self.half):
-            # vLLM's K and V are column ranges of one QKV projection output, V right after K:
-            # each row's K then V is one run of memory, in this buffer's order. One copy.
-            self.lanes[:n, layer] = np.lib.stride_tricks.as_strided(
-                keys, shape=(n, 2 * self.half), strides=(keys.strides[0], keys.itemsize), writeable=False
-            )
-        else:
-            self.lanes[:n, layer, : self.half] = keys.reshape(n, -1)
-            self.lanes[:n, layer, self.half :] = value.view(self.lane).numpy().reshape(n, -1)
+        self.lanes[:n, layer, : self.half] = key.view(self.lane).numpy().reshape(n, -1)
+        self.lanes[:n, layer, self.half :] = value.view(self.lane).numpy().reshape(n, -1)
         self.seen.add(layer)
 
     def find(
