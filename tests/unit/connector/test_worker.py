@@ -339,3 +339,29 @@ def test_the_seal_checks_earlier_rows_in_its_copy_and_seals_only_unchanged_pages
     assert bad == {2} and worker.table.sealed[[1, 3]].all() and not worker.table.sealed[2]
     assert torch.isfinite(kv[3]).all()
     assert (worker.table.digests[[1, 3]] == worker.pages.digest([1, 3])).all()
+
+
+@pytest.mark.parametrize("layout", ["qkv", "apart", "one_row"])
+def test_written_rows_keep_key_then_value_whatever_the_tensors_memory(layout: str) -> None:
+    """vLLM hands the write op K and V as column ranges of one QKV output (strided rows, V right
+    after K); tests and other callers hand separate tensors. The rows kept are each row's key
+    then value, whichever."""
+    from vllm_kvguard.connector.worker import WrittenRows
+
+    n = 1 if layout == "one_row" else 5
+    qkv = torch.randn(n, 3 * 16).to(torch.bfloat16)
+    _, k, v = qkv.split(16, dim=1)
+    key, value = k.view(n, 2, 8), v.view(n, 2, 8)
+    if layout == "apart":
+        key, value = key.clone(), value.clone()
+    rows = WrittenRows({123: 1}, 2, 32, torch.bfloat16)
+    rows.begin()
+
+    class Cache:  # the layer's key cache, as the write op's argument: only its address is read
+        def data_ptr(self) -> int:
+            return 123
+
+    rows.observe(key, value, Cache(), torch.arange(n, dtype=torch.int64))  # type: ignore[arg-type]
+    want = torch.cat([key.reshape(n, -1), value.reshape(n, -1)], dim=1).view(torch.int16).numpy()
+    assert np.array_equal(rows.lanes[:n, 1], want) and rows.seen == {1}
+    assert not rows.lanes[:n, 0].any()  # layer 0 was not written
