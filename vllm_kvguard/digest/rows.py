@@ -255,8 +255,8 @@ class HostRows:
         of each page. One transposing copy per part over the copy's own strides (no index
         arrays; numpy's: torch's was 1.6x faster with two threads but 1.15x slower with the one
         vLLM's CPU worker leaves it): a whole page's rows cost less than gathering a third of
-        them out of the pool did. The result is this object's scratch
-        (valid until the next gather)."""
+        them out of the pool did. The result is this object's scratch (valid until the next
+        gather)."""
         layers, k, _ = pages.shape
         slots = len(self.elements)
         n = k * slots
