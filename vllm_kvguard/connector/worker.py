@@ -872,17 +872,12 @@ class KVGuardWorker:
             )
             self._defer(check, "seal", meta.step, {}, "nonfinite")
             self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
-        elif seal and earlier is not None:
+        elif earlier is not None:  # (only where there are pages to seal)
             self._seal_in_copy(meta, seal, earlier)
         elif seal:
-            finite = self.config.nonfinite_mode is not None
             # One gather of the pages being sealed for both the NaN/Inf test and the syndromes.
-            flags, facts = self.pages.seal_facts(seal, check_finite=finite)
-            if finite and self._check_finite(meta, seal, flags):
-                # Non-finite elements were zeroed: the syndromes must describe what is sealed.
-                facts = self.pages.seal_facts(seal, check_finite=False)[1]
-            self.table.seal(seal, self.pages.digest(seal), facts)
-            self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
+            flags, facts = self.pages.seal_facts(seal, check_finite=self.config.nonfinite_mode is not None)
+            self._seal_host(meta, seal, flags, facts, None)
         for injection in at_rest:
             if not self._inject(injection):
                 self._worker_meta().unchanged_faults.append(injection.fault_id)
@@ -954,9 +949,8 @@ class KVGuardWorker:
         NaN/Inf test, the syndromes and the digests, each page's bytes read out of the pool
         once. Pages with a changed row are reported (as :meth:`_rows_after_forward` does) and
         not sealed."""
-        assert self.rows is not None and self.pages is not None and self.table is not None
+        assert self.rows is not None and self.pages is not None
         rows = self.rows
-        finite = self.config.nonfinite_mode is not None
         bad: list[np.ndarray] = []
 
         def fill_check(lo: int, pages: np.ndarray) -> None:
@@ -964,30 +958,46 @@ class KVGuardWorker:
             if len(changed):
                 bad.append(changed + lo * self.block_size)
 
-        flags, facts, digests = self.pages.seal_in_copy(seal, check_finite=finite, visit=fill_check)
+        flags, facts, digests = self.pages.seal_in_copy(
+            seal, check_finite=self.config.nonfinite_mode is not None, visit=fill_check
+        )
         written = np.flatnonzero(earlier)
         if len(written):
             self.counters.add("bytes_hashed", len(written) * rows.row_bytes, label="seal")
             self._worker_meta().verified_steps.add(meta.step)
         if bad:
             # The same findings as the check before the seal: indices into every written row.
+            ids = np.asarray(seal, dtype=np.int64)
             changed = self._row_findings(
                 meta,
-                np.asarray(seal, dtype=np.int64)[written // self.block_size],
+                ids[written // self.block_size],
                 written % self.block_size,
                 np.searchsorted(written, np.concatenate(bad)),
                 "seal",
             )
-            keep = np.asarray([b not in changed for b in seal], dtype=bool)
-            seal = [b for b in seal if b not in changed]
+            keep = ~np.isin(ids, list(changed))
+            seal = ids[keep].tolist()
             flags, facts, digests = flags[keep], facts[keep], digests[keep]
             if not seal:
                 return
-        if finite and self._check_finite(meta, seal, flags):
-            # Non-finite elements were zeroed: the digests and syndromes describe what is sealed.
+        self._seal_host(meta, seal, flags, facts, digests)
+
+    def _seal_host(
+        self,
+        meta: KVGuardMetadata,
+        seal: list[int],
+        flags: np.ndarray,
+        facts: np.ndarray,
+        digests: np.ndarray | None,
+    ) -> None:
+        """Seal host pages from their facts: the NaN/Inf test's ``flags`` acted on first (pages
+        zeroed outside log mode, whose digests and syndromes are then taken again from what they
+        hold), then the table; ``digests`` None: read out of the pool here."""
+        assert self.pages is not None and self.table is not None
+        if self.config.nonfinite_mode is not None and self._check_finite(meta, seal, flags):
             facts = self.pages.seal_facts(seal, check_finite=False)[1]
-            digests = self.pages.digest(seal)
-        self.table.seal(seal, digests, facts)
+            digests = None
+        self.table.seal(seal, self.pages.digest(seal) if digests is None else digests, facts)
         self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
 
     def _record_rows(self, blocks: np.ndarray, slots: np.ndarray) -> np.ndarray:
