@@ -40,6 +40,7 @@ def register() -> None:
 
     patches.quiet_unknown_variable_warnings()
     patches.patch_openai_errors()
+    patches.guard_kernel_scan()
     _install_config_error_hook()
     if not patches.patch_engine_config(_add_guard) and load_config().enabled:
         raise RuntimeError(

