@@ -5,7 +5,8 @@
 A decode step writes one row per running request; every ``block_size`` steps each request
 fills a page. Without row digests the guard hashes each page once, at fill (XXH3-64 over
 the page, every layer). With them it also hashes every row right after the forward that
-wrote it (one gather per layer, one XXH3 call per row) and, at fill, re-hashes the rows
+wrote it (one gather per layer, then the rows' KVG64 digests in one compiled call: rowhash; one
+XXH3 call per row until 2026-12-05) and, at fill, re-hashes the rows
 written in earlier steps before sealing. Measured on vLLM's real CPU page layout (the slot
 map is probed from vLLM's own write op), bfloat16, interleaved, medians of ``--repeats``:
 

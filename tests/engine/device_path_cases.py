@@ -179,7 +179,7 @@ def test_scrub_pages_share_the_hits_launch_and_keep_their_trigger(tiny_model: st
 def rows_on_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU worker's row digests (DeviceRowDigests: kept, compared and read back like the
     device seals) on this CPU engine: the same rows, gathered through the CPU layout's element
-    map, with the host's XXH3 path and the written-rows shortcut off. In-process engines only."""
+    map, with the host's compiled path and the written-rows shortcut off. In-process engines only."""
     from vllm_kvguard.connector import patches
     from vllm_kvguard.connector.worker import KVGuardWorker
     from vllm_kvguard.digest.rows import DeviceRowDigests

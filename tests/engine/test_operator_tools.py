@@ -54,6 +54,7 @@ def test_doctor_on_a_healthy_install_with_the_guard_on(tiny_model: str) -> None:
     assert rows["plugin loaded by vLLM"][0] == "ok"
     assert rows["engine has the guard"] == ("ok", "kv_connector=KVGuardConnector")
     assert rows["block size"][0] == "ok" and rows["block size"][1].startswith("32 tokens per page")
+    assert rows["row digests (host)"] == ("ok", "compiled with numba")
     assert "VLLM_CPU_KVCACHE_SPACE" not in rows
     assert all(status != "BLOCKER" for status, _ in rows.values())
 

@@ -33,6 +33,7 @@ def test_wheel_is_complete_and_installs(tmp_path: Path) -> None:
     assert f"Version: {vllm_kvguard.__version__}\n" in metadata
     assert (
         "Requires-Dist: xxhash" in metadata
+        and "Requires-Dist: numba" in metadata
         and "Requires-Dist: vllm" not in metadata.split("Provides-Extra")[0]
     )
 

@@ -35,7 +35,7 @@ from vllm_kvguard.core.counters import GuardCounters
 from vllm_kvguard.core.events import Detection, GuardStarted
 from vllm_kvguard.core.faults import FaultKind, FaultSite, Injection
 from vllm_kvguard.core.shapes import Shape, classify
-from vllm_kvguard.digest import DeviceDigestTable, DigestTable, KVPages, PendingCheck
+from vllm_kvguard.digest import DeviceDigestTable, DigestTable, KVPages, PendingCheck, rowhash
 from vllm_kvguard.digest.kernel import RowGeometry, kernel_available
 from vllm_kvguard.digest.rows import (
     AxisRows,
@@ -138,30 +138,48 @@ def written_order_matches(
 
 
 class WrittenRows:
-    """The rows vLLM's CPU attention was handed to write this step, every layer, kept in the row
-    digests' byte order ((key, value) of each layer, layers in order) with the slots they went
-    to, so that their digests need no gather back out of the packed pages (on vLLM's CPU layout
-    one row's K is one element in each of ``heads x head_size`` cache lines: about 4 us a layer
-    per row read back after a forward, against a copy of 2 x heads x head_size contiguous
-    elements here). Fed by the write op's wrapper (patches.observe_cpu_kv_writes); a step whose
-    writes were not all seen (more rows than ``capacity``, another dtype, a layer missing) uses
-    none of them."""
+    """The rows vLLM's CPU attention was handed to write this step, every layer, kept as their
+    row digests (the sum of each row's KVG64 terms, added a layer at a time by rowhash's
+    compiled ``add_layer`` as the write op is called: no copy of the rows) and, for the landing
+    check (:meth:`HostRows.landed`), a probe of each row (the first contiguous run of each part
+    that has runs, every layer: on vLLM's CPU layout the first head's V, 128 bytes a layer),
+    with the slots they went to. Reading a row back out of a page after the forward costs one
+    cache line per K element on vLLM's CPU layout (about 4 us a row and layer inside the
+    engine). Fed by the write op's wrapper (patches.observe_cpu_kv_writes); a step whose writes
+    were not all seen (more rows than ``capacity``, another dtype, a layer missing or seen
+    twice) uses none of them."""
 
-    # Host memory kept for them: this many bytes, and room for at least MIN_ROWS rows.
+    # Host memory kept for the sums and probes: this many bytes, and room for at least MIN_ROWS
+    # rows.
     BYTES = 16 << 20
     MIN_ROWS = 256
 
-    def __init__(self, layer_of: dict[int, int], num_layers: int, width: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        layer_of: dict[int, int],
+        num_layers: int,
+        width: int,
+        dtype: torch.dtype,
+        block_size: int,
+        spec: np.ndarray,
+    ) -> None:
+        kernels = rowhash.compiled()
+        if kernels is None:
+            raise ValueError(f"row sums need numba: {rowhash.backend()}")
+        if (width * dtype.itemsize) % 16:
+            raise ValueError("a layer's K and V rows are not whole 64-bit words")
+        self._add = kernels["add_layer"]
         self.layer_of = layer_of
         self.num_layers = num_layers
-        self.half = width // 2
-        row_bytes = num_layers * width * dtype.itemsize
-        self.capacity = max(self.MIN_ROWS, self.BYTES // row_bytes)
-        # Zeroed, not empty: its pages are touched now, not on a step's first long prefill.
-        buffer = torch.zeros((self.capacity, num_layers, width), dtype=dtype)
+        self.block_size = block_size
+        self.layer_words = width * dtype.itemsize // 8
+        self.spec = np.ascontiguousarray(spec, dtype=np.int64)
+        probe_words = int(self.spec[:, 3].sum()) if len(self.spec) else 0
+        self.capacity = max(self.MIN_ROWS, self.BYTES // (8 + 8 * num_layers * probe_words))
+        # Zeroed, not empty: their pages are touched now, not on a step's first long prefill.
+        self.sums = np.zeros(self.capacity, dtype=np.uint64)
+        self.probe = np.zeros((self.capacity, num_layers, probe_words), dtype=np.uint64)
         self.lane = getattr(torch, f"int{8 * dtype.itemsize}")
-        self.lanes = buffer.view(self.lane).numpy()
-        self.raw = self.lanes.view(np.uint8).reshape(self.capacity, row_bytes)
         self.dtype = dtype
         self.slots: np.ndarray | None = None
         self.seen: set[int] = set()
@@ -169,7 +187,7 @@ class WrittenRows:
         self.broken = False
 
     def nbytes(self) -> int:
-        return int(self.raw.nbytes)
+        return int(self.sums.nbytes + self.probe.nbytes)
 
     def begin(self) -> None:
         self.open, self.broken, self.slots, self.seen = True, False, None, set()
@@ -184,8 +202,8 @@ class WrittenRows:
         if not self.open or self.broken or layer is None:
             return
         n = int(slot_mapping.shape[0])
-        if n > self.capacity or key.dtype != self.dtype or value.dtype != self.dtype:
-            self.broken = True
+        if n > self.capacity or key.dtype != self.dtype or value.dtype != self.dtype or layer in self.seen:
+            self.broken = True  # (a layer written twice would add its terms twice)
             return
         if self.slots is None:
             if slot_mapping.dtype == torch.int64 and slot_mapping.device.type == "cpu":
@@ -197,10 +215,27 @@ class WrittenRows:
             return
         if key.requires_grad or value.requires_grad:  # not under vLLM's inference mode
             key, value = key.detach(), value.detach()
-        # numpy on the same memory: a third of torch's per-call cost for a decode step's rows.
-        self.lanes[:n, layer, : self.half] = key.view(self.lane).numpy().reshape(n, -1)
-        self.lanes[:n, layer, self.half :] = value.view(self.lane).numpy().reshape(n, -1)
+        # numpy views of the same memory (strided rows of the QKV output), as 64-bit words.
+        kw = key.view(self.lane).numpy().reshape(n, -1).view(np.uint64)
+        vw = value.view(self.lane).numpy().reshape(n, -1).view(np.uint64)
+        j = layer * self.layer_words
+        self._add(
+            kw,
+            vw,
+            self.slots,
+            self.block_size,
+            j,
+            j + self.layer_words // 2,
+            self.sums[:n],
+            not self.seen,
+            self.probe[:n, layer],
+            self.spec,
+        )
         self.seen.add(layer)
+
+    def digests(self, positions: np.ndarray | None, n: int) -> np.ndarray:
+        """The digests of the written rows ``positions`` (None: the first ``n``, in order)."""
+        return rowhash.finish(self.sums[:n] if positions is None else self.sums[positions])
 
     def find(
         self, blocks: np.ndarray, slots: np.ndarray, block_size: int
@@ -350,13 +385,24 @@ class KVGuardWorker:
                     host = None
                     how = f"on (CPU layout {isa}, probed, torch gather)"
                 gathers: list[RowAccess] = [PackedRows(t, elements) for t in tensors]
-                if host is not None and written_order_matches(page_shape, first.dtype, bs, isa, elements):
+                patches.guard_kernel_scan()  # (again: before numba is first imported here)
+                if (
+                    host is not None
+                    and host.probe_spec is not None
+                    and written_order_matches(page_shape, first.dtype, bs, isa, elements)
+                ):
                     layer_of = {t.data_ptr(): i for i, t in enumerate(tensors)}
-                    self.written = WrittenRows(layer_of, len(tensors), host.width, first.dtype)
-                    if patches.observe_cpu_kv_writes(self._observe_write):
-                        how += f"; digested as written ({self.written.nbytes() >> 20} MiB)"
+                    try:
+                        self.written = WrittenRows(
+                            layer_of, len(tensors), host.width, first.dtype, bs, host.probe_spec
+                        )
+                    except ValueError as exc:  # rows are read back out of their pages instead
+                        how += f"; read back ({exc})"
                     else:
-                        self.written = None
+                        if patches.observe_cpu_kv_writes(self._observe_write):
+                            how += f"; digested as written ({self.written.nbytes() / (1 << 20):.0f} MiB)"
+                        else:
+                            self.written = None
             else:
                 axis = slot_axis(page_shape, bs)
                 if axis is None:
@@ -1018,15 +1064,18 @@ class KVGuardWorker:
             # Every row, in the order written: vLLM's slot mapping is each row's flat index.
             n = len(blocks)
             self.rows_as_written += n
-            return self.rows.record(blocks, slots, written=written.raw[:n], flat=written.slots)
+            return self.rows.record(
+                blocks, slots, written.digests(None, n), written.probe[:n], flat=written.slots
+            )
         if use.all():
             self.rows_as_written += len(use)
-            return self.rows.record(blocks, slots, written=written.raw[positions])
+            return self.rows.record(blocks, slots, written.digests(positions, 0), written.probe[positions])
         if not use.any():
             return self.rows.record(blocks, slots)
         same = np.zeros(len(blocks), dtype=bool)
         mine = np.flatnonzero(use)
-        same[mine] = self.rows.record(blocks[mine], slots[mine], written=written.raw[positions[mine]])
+        at = positions[mine]
+        same[mine] = self.rows.record(blocks[mine], slots[mine], written.digests(at, 0), written.probe[at])
         rest = np.flatnonzero(~use)
         same[rest] = self.rows.record(blocks[rest], slots[rest])
         self.rows_as_written += len(mine)

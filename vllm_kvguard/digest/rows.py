@@ -14,11 +14,15 @@ token on:
 - a row whose digest after the forward that wrote it equals the digest the block's
   previous owner had at that slot is a write that never landed (lost write).
 
-Host pages: XXH3-64 of the row's bytes (layers concatenated in order), seeded by the
-slot, after one gather per layer of only the rows asked for. Pages off the host: KVG64
-terms (kernel.py's word function) summed per row, keyed by slot and word, computed
-where the rows live with torch (no page leaves the device); its numpy reference is
-:func:`row_digests_reference`. A digest is never 0 (0 marks an unwritten slot).
+Every row digest is KVG64 (kernel.py's word function): one term per 64-bit word of the row
+(layers concatenated in order, each layer's K then V), keyed by slot and word, summed,
+then avalanched; its numpy reference is :func:`row_digests_reference`. Host pages: in
+compiled loops (:mod:`.rowhash`), after one gather per layer of only the rows asked for,
+or, for rows vLLM's CPU write op was just handed, summed a layer at a time as it hands
+them over (no copy of the rows). Pages off the host: computed where the rows live with
+torch (no page leaves the device). A digest is never 0 (0 marks an unwritten slot).
+(Host rows were XXH3-64 until 2026-12-05; a row digest never leaves the process, so the
+change needs no migration.)
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import xxhash
 
+from vllm_kvguard.digest import rowhash
 from vllm_kvguard.digest.checks import PendingCheck
 from vllm_kvguard.digest.kernel import CHECK, P1, P2, P3, P5, RECORD, RowGeometry, _avalanche
 from vllm_kvguard.digest.pages import layer_step
@@ -218,6 +222,8 @@ class HostRows:
         self.width = self.elements.shape[1]
         self.row_bytes = len(tensors) * self.width * first.element_size()
         self._buffer = np.empty((0, len(self.flat), self.width), dtype=self.flat[0].dtype)
+        self.probe_spec = self._probe_spec(first.element_size())
+        self.probe_words = int(self.probe_spec[:, 3].sum()) if self.probe_spec is not None else 0
 
     @property
     def strided(self) -> bool:
@@ -284,40 +290,70 @@ class HostRows:
             np.copyto(out, np.take(pages.view(out.dtype), self.elements, axis=2).transpose(1, 2, 0, 3))
         return out.reshape(n, -1).view(np.uint8)
 
-    def landed(self, blocks: np.ndarray, slots: np.ndarray, written: np.ndarray) -> np.ndarray:
-        """Which rows (blocks[i], slots[i]) hold in the page what ``written[i]`` says was written
-        there (rows x row_bytes, this class's row order), told by the first contiguous run of
-        each part that has runs, in every layer (vLLM's CPU layout: the first head's V, 2 cache
-        lines a layer, where reading a row's transposed K costs one line per element); by every
-        element where no part has runs. A write that did not land (or landed in another slot)
-        leaves the whole of that layer's row as it was, which any run of it shows; a change to
-        other elements after the write is what the fill check and read verification find."""
-        n = len(blocks)
+    # Most of each run the landing check compares: one cache line.
+    PROBE_WORDS = 8
+
+    def _probe_spec(self, size: int) -> np.ndarray | None:
+        """What :meth:`landed` compares, as the write op's wrapper copies it out of the rows it
+        is handed (rowhash's ``add_layer``): per run (the start of the first contiguous run
+        of each part that has runs, at most :attr:`PROBE_WORDS` words), (0 for K or 1 for V,
+        first 64-bit word in it, first word in the probe, words). None where there is no
+        run, or a run is not whole words of K or of V (then rows are read back out of their
+        pages)."""
+        half = self.width // 2
+        spec: list[tuple[int, int, int, int]] = []
+        at = 0
+        for _, part in self._runs:
+            col, run = part.start, part.shape[-1]
+            src, lo = (0, col) if col < half else (1, col - half)
+            if lo + run > half or (lo * size) % 8 or (run * size) % 8 or (half * size) % 8:
+                return None
+            words = min(run * size // 8, self.PROBE_WORDS)
+            spec.append((src, lo * size // 8, at, words))
+            at += words
+        return np.asarray(spec, dtype=np.int64).reshape(-1, 4) if spec else None
+
+    def probe_of(self, rows: np.ndarray) -> np.ndarray:
+        """The probe of whole rows (rows x row_bytes, this class's order): (rows, layers,
+        :attr:`probe_words`) uint64, what the write op's wrapper copies of each row."""
+        assert self.probe_spec is not None
+        half_words = self.width * self.flat[0].itemsize // 16
+        words = np.ascontiguousarray(rows).view(np.uint64).reshape(len(rows), len(self.flat), 2 * half_words)
+        out = np.empty((len(rows), len(self.flat), self.probe_words), dtype=np.uint64)
+        for src, lo, at, count in self.probe_spec.tolist():
+            base = src * half_words + lo
+            out[:, :, at : at + count] = words[:, :, base : base + count]
+        return out
+
+    def landed(self, blocks: np.ndarray, slots: np.ndarray, probe: np.ndarray) -> np.ndarray:
+        """Which rows (blocks[i], slots[i]) hold in the page what ``probe[i]`` says was written
+        there (:meth:`probe_of`: the start of the first contiguous run of each part that has
+        runs, every layer: on vLLM's CPU layout the first 64 bytes of the first head's V, one
+        cache line a layer, where reading a row's transposed K costs one line per element). A
+        write that did not land (or landed in another slot) leaves the whole of that layer's
+        row as it was, which any run of it shows; a change to other elements after the write
+        is what the fill check and read verification find. Only where :attr:`probe_spec` is
+        not None."""
+        assert self.probe_spec is not None
         blocks = np.asarray(blocks, dtype=np.int64)
         slots = np.asarray(slots, dtype=np.int64)
-        lanes = np.ascontiguousarray(written).view(self.flat[0].dtype).reshape(n, len(self.flat), self.width)
-        runs = self._runs
-        if not runs:
-            now = self.gather(blocks, slots).view(self.flat[0].dtype).reshape(lanes.shape)
-            return np.asarray((now == lanes).all(axis=(1, 2)))
+        size = self.flat[0].itemsize
         ok: np.ndarray | None = None
         for start, count, views in self.views:
-            for i, part in runs:
-                # The part's first run, every layer: every grid index but the last at 0.
+            for (i, part), (_, _, at, words) in zip(self._runs, self.probe_spec.tolist(), strict=True):
+                # The start of the part's first run, every layer: every grid index but the last
+                # at 0.
                 index: tuple[Any, ...] = (
                     slice(None),
                     blocks,
                     *(0,) * (len(part.shape) - 1),
-                    slice(None),
+                    slice(0, words * 8 // size),
                     slots,
                 )
-                got = views[i][index]  # (rows, layers, run)
-                run = part.shape[-1]
-                same = (got == lanes[:, start : start + count, part.start : part.start + run]).all(
-                    axis=(1, 2)
-                )
+                got = np.ascontiguousarray(views[i][index]).view(np.uint64)  # (rows, layers, words)
+                same = (got == probe[:, start : start + count, at : at + words]).all(axis=(1, 2))
                 ok = same if ok is None else ok & same
-        assert ok is not None  # runs is not empty here
+        assert ok is not None  # probe_spec is not None: there are runs
         return ok
 
 
@@ -362,18 +398,6 @@ def row_digests_torch(words: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return torch.where(d == 0, torch.ones_like(d), d)
 
 
-def _xxh3_rows(raw: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    """XXH3-64 of each row of ``raw`` (rows x bytes, uint8) seeded by its slot; never 0 (0
-    marks an unwritten slot): the host row digest."""
-    # map() over the array's rows (each a buffer): no Python frame per row, about a third
-    # cheaper per row than slicing a memoryview in a generator (0.12 vs 0.19 us, 128-byte rows).
-    rows = np.ascontiguousarray(raw)
-    out = np.fromiter(map(xxhash.xxh3_64_intdigest, rows, slots.tolist()), dtype=np.uint64, count=len(rows))
-    if not out.all():
-        out[out == 0] = 1
-    return out
-
-
 class RowDigests:
     """The digest of every written slot of every block, this generation and the previous one.
 
@@ -401,8 +425,8 @@ class RowDigests:
         self.on_host = all(t.device.type == "cpu" for t in tensors)
         probe = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.row_bytes = sum(g(probe, probe).numel() for g in gathers) * tensors[0].element_size()
-        if not self.on_host and self.row_bytes % 8:
-            raise ValueError("device rows must be whole 64-bit words")
+        if self.row_bytes % 8:
+            raise ValueError(f"a row of {self.row_bytes} bytes is not whole 64-bit words")
         self.rows: np.ndarray = np.zeros((num_blocks, block_size), dtype=self._host_dtype)
         self.previous: np.ndarray = np.zeros((num_blocks, block_size), dtype=self._host_dtype)
         self._slots = np.zeros(0, dtype=np.int64)
@@ -423,7 +447,7 @@ class RowDigests:
         gathered = torch.cat([g(b, s).contiguous().view(torch.uint8) for g in self.gathers], dim=1)
         if not self.on_host:
             return row_digests_torch(gathered.view(torch.int64), s).cpu().numpy().view(np.uint64)
-        return _xxh3_rows(gathered.numpy(), np.asarray(slots))
+        return rowhash.digest_rows(gathered.numpy(), np.asarray(slots))
 
     # Rows gathered and hashed at a time on the host: the scratch rows stay in cache between the
     # gather and the hash (a prefill's thousands of rows at once were 5-10x slower per row).
@@ -435,38 +459,42 @@ class RowDigests:
         for lo in range(0, n, self.CHUNK):
             hi = min(n, lo + self.CHUNK)
             raw = host.gather(blocks[lo:hi], slots[lo:hi], reuse=True)
-            out[lo:hi] = _xxh3_rows(raw, slots[lo:hi])
+            out[lo:hi] = rowhash.digest_rows(raw, slots[lo:hi])
         return out
 
-    def _hash_written(
-        self, host: HostRows, blocks: np.ndarray, slots: np.ndarray, written: np.ndarray
+    def _as_written(
+        self, host: HostRows, blocks: np.ndarray, slots: np.ndarray, digests: np.ndarray, probe: np.ndarray
     ) -> np.ndarray:
-        landed = host.landed(blocks, slots, written)
-        digests = _xxh3_rows(written, slots)
-        if not landed.all():
-            # Not as written: digest what the page holds (as rows read back from it always were).
-            missed = np.flatnonzero(~landed)
-            digests[missed] = self.hash(blocks[missed], slots[missed])
+        landed = host.landed(blocks, slots, probe)
+        if landed.all():
+            return digests
+        # Not as written: digest what the page holds (as rows read back from it always were).
+        missed = np.flatnonzero(~landed)
+        digests = digests.copy()
+        digests[missed] = self.hash(blocks[missed], slots[missed])
         return digests
 
     def record(
         self,
         blocks: np.ndarray,
         slots: np.ndarray,
-        written: np.ndarray | None = None,
+        digests: np.ndarray | None = None,
+        probe: np.ndarray | None = None,
         flat: np.ndarray | None = None,
     ) -> np.ndarray:
         """Hash rows just written and keep their digests; returns which of them equal what the
-        block's previous owner had at that slot (a write that did not land). ``written`` (host rows only): the
-        bytes vLLM was asked to write to each row (rows x row_bytes, :class:`HostRows`' order); a
-        row's digest is taken from them where the page shows they landed
-        (:meth:`HostRows.landed`), instead of gathering the row back out of its page, and from
-        the page where not. ``flat``: ``blocks * block_size + slots`` where the caller has it
-        (vLLM's slot mapping): the tables are then read and written through one flat index."""
-        if written is not None and self.host is not None and len(blocks):
+        block's previous owner had at that slot (a write that did not land). ``digests`` and
+        ``probe`` (host rows with a :attr:`HostRows.probe_spec` only): the digests of the bytes
+        vLLM was asked to write to each row and what :meth:`HostRows.landed` compares of them
+        (the write op's wrapper, :class:`connector.worker.WrittenRows`); a row's digest is kept
+        from them where the page shows it landed, instead of gathering the row back out of its
+        page, and taken from the page where not. ``flat``: ``blocks * block_size + slots``
+        where the caller has it (vLLM's slot mapping): the tables are then read and written
+        through one flat index."""
+        if digests is not None and probe is not None and self.host is not None and len(blocks):
             b = np.asarray(blocks, dtype=np.int64)
             s_ = np.asarray(slots, dtype=np.int64)
-            digests = self._hash_written(self.host, b, s_, written)
+            digests = self._as_written(self.host, b, s_, digests, probe)
         else:
             digests = self.hash(blocks, slots)
         if flat is None:
@@ -501,7 +529,7 @@ class RowDigests:
             return wanted
         raw = self.host.page_rows(pages)
         # Every row hashed (the few not wanted cost less than copying out the rest).
-        got = _xxh3_rows(raw, self._slot_run(len(expected)))
+        got = rowhash.digest_rows(raw, self._slot_run(len(expected)))
         return wanted[got[wanted] != expected.reshape(-1)[wanted]]
 
     def _slot_run(self, pages: int) -> np.ndarray:

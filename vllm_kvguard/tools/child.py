@@ -128,6 +128,14 @@ def doctor_probe(args: dict[str, Any]) -> None:
         out["platform"] = str(current_platform.device_type)
     except Exception as exc:
         out["vllm_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    try:
+        # After vLLM's plugin loader: the guard's plugin has guarded vLLM's kernel scan against
+        # numba (connector/patches.py, guard_kernel_scan).
+        from vllm_kvguard.digest import rowhash
+
+        out["row_hash"] = rowhash.backend()
+    except Exception as exc:
+        out["row_hash"] = f"numpy ({type(exc).__name__}: {exc})"[:300]
     if args.get("model") and "vllm_error" not in out:
         try:
             from vllm.engine.arg_utils import EngineArgs

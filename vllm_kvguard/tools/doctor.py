@@ -148,6 +148,19 @@ def probe_rows(probe: dict[str, Any], environ: dict[str, str], config: KVGuardCo
             else f"host: {config.hash if config else 'xxh3_64'} over KV pages in CPU memory ({platform})",
         )
     )
+    row_hash = probe.get("row_hash")
+    if platform == "cpu" and row_hash is not None:
+        rows.append(
+            Row("row digests (host)", OK, "compiled with numba")
+            if row_hash == "numba"
+            else Row(
+                "row digests (host)",
+                WARN,
+                f"numba cannot be used here, so row digests are computed with numpy and each row "
+                f"is read back out of its page after the forward (several times slower): {row_hash}; "
+                "fix: pip install numba (a dependency of vLLM)",
+            )
+        )
     if platform == "cpu" and not environ.get("VLLM_CPU_KVCACHE_SPACE"):
         rows.append(
             Row(

@@ -17,6 +17,7 @@ from vllm_kvguard.config import load_config
 from vllm_kvguard.connector.metadata import KVGuardMetadata
 from vllm_kvguard.connector.worker import KVGuardWorker
 from vllm_kvguard.core.ledger import StepPlan
+from vllm_kvguard.digest import rowhash
 from vllm_kvguard.logs import GuardLog
 
 BLOCKS = 6
@@ -303,13 +304,21 @@ def test_an_error_keeping_written_rows_is_internal_and_the_rows_are_read_back(
 
 
 def test_the_written_rows_buffer_is_the_documented_size() -> None:
-    """docs/performance.md, "Memory": 16 MiB, or 256 rows where a row is over 64 KiB."""
+    """docs/performance.md, "Memory": 16 MiB (per row its sum, 8 bytes, and its landing probe:
+    64 bytes a layer), or 256 rows where that is larger."""
     from vllm_kvguard.connector.worker import WrittenRows
+    from vllm_kvguard.digest.rows import HostRows
 
-    bench = WrittenRows({}, 4, 2 * 8 * 64, torch.bfloat16)  # kvguard bench's model: 8 KiB rows
-    assert (bench.capacity, bench.nbytes()) == (2048, 16 << 20)
-    llama = WrittenRows({}, 32, 2 * 8 * 128, torch.bfloat16)  # Llama-3-8B class: 128 KiB rows
-    assert (llama.capacity, llama.nbytes()) == (256, 32 << 20)
+    one_line = np.array([[1, 0, 0, HostRows.PROBE_WORDS]])
+    # kvguard bench's model: 4 layers: 264 bytes a row.
+    bench = WrittenRows({}, 4, 2 * 8 * 64, torch.bfloat16, 16, one_line)
+    assert (bench.capacity, bench.nbytes()) == ((16 << 20) // 264, (16 << 20) // 264 * 264)
+    # Llama-3-8B class: 32 layers: 2,056 bytes a row, 8,160 rows.
+    llama = WrittenRows({}, 32, 2 * 8 * 128, torch.bfloat16, 16, one_line)
+    assert (llama.capacity, llama.nbytes()) == (8160, 8160 * 2056)
+    # Rows over 64 KiB: 256 rows all the same.
+    huge = WrittenRows({}, 1100, 2 * 8 * 128, torch.bfloat16, 16, one_line)
+    assert huge.capacity == 256
 
 
 def test_the_seal_checks_earlier_rows_in_its_copy_and_seals_only_unchanged_pages() -> None:
@@ -354,14 +363,21 @@ def test_written_rows_keep_key_then_value_whatever_the_tensors_memory(layout: st
     key, value = k.view(n, 2, 8), v.view(n, 2, 8)
     if layout == "apart":
         key, value = key.clone(), value.clone()
-    rows = WrittenRows({123: 1}, 2, 32, torch.bfloat16)
+    # Probe: words 1..2 of V (elements 4..11).
+    rows = WrittenRows({123: 1}, 2, 32, torch.bfloat16, 16, np.array([[1, 1, 0, 2]]))
     rows.begin()
 
     class Cache:  # the layer's key cache, as the write op's argument: only its address is read
         def data_ptr(self) -> int:
             return 123
 
-    rows.observe(key, value, Cache(), torch.arange(n, dtype=torch.int64))  # type: ignore[arg-type]
+    flat = torch.arange(n, dtype=torch.int64) * 7  # slots 0, 7, 14, 5, 12
+    rows.observe(key, value, Cache(), flat)  # type: ignore[arg-type]
     want = torch.cat([key.reshape(n, -1), value.reshape(n, -1)], dim=1).view(torch.int16).numpy()
-    assert np.array_equal(rows.lanes[:n, 1], want) and rows.seen == {1}
-    assert not rows.lanes[:n, 0].any()  # layer 0 was not written
+    words = want.view(np.uint64)  # layer 1: the row's words 8..15
+    assert rows.seen == {1}
+    assert np.array_equal(rows.sums[:n], rowhash._sums_numpy(words, flat.numpy() % 16, first_word=8))
+    assert np.array_equal(rows.probe[:n, 1], words[:, 5:7]) and not rows.probe[:n, 0].any()
+    # The same layer again in one step would count its words twice: the step's rows are not used.
+    rows.observe(key, value, Cache(), flat)  # type: ignore[arg-type]
+    assert rows.broken

@@ -160,14 +160,19 @@ def test_layers_in_one_buffer_are_read_through_one_view_each_part() -> None:
     expected = by_map.gather(b, s)
     assert np.array_equal(host.gather(b, s), expected) and np.array_equal(apart.gather(b, s), expected)
     written = expected.copy()
-    assert host.landed(b, s, written).all() and apart.landed(b, s, written).all()
+    probe = host.probe_of(written)
+    assert host.landed(b, s, probe).all() and apart.landed(b, s, apart.probe_of(written)).all()
     # A row of the last layer that did not land: its V run still holds the old values.
     layer_bytes = written.shape[1] // 3
     v_start = 2 * layer_bytes + (written.shape[1] // 3) // 2  # V part: second half of the layer
     written[5, v_start : v_start + 4] ^= 1
-    landed = host.landed(b, s, written)
+    landed = host.landed(b, s, host.probe_of(written))
     assert np.flatnonzero(~landed).tolist() == [5]
-    assert (apart.landed(b, s, written) == landed).all()
+    assert (apart.landed(b, s, apart.probe_of(written)) == landed).all()
+    # A change to the row outside the probe (its K) is not what this check reads.
+    written = expected.copy()
+    written[7, 2 * layer_bytes] ^= 1
+    assert host.landed(b, s, host.probe_of(written)).all()
 
 
 def test_rows_of_a_copy_of_whole_pages_are_the_rows_gathered_from_the_pool() -> None:

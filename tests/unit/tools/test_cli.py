@@ -108,6 +108,7 @@ def test_doctor_probe_rows_block_on_what_stops_vllm() -> None:
         "companions": {"torchvision": {"version": "0.99", "error": "ModuleNotFoundError: x"}},
         "plugin_loaded": False,
         "platform": "cpu",
+        "row_hash": "numpy (ModuleNotFoundError: No module named 'numba')",
         "engine": {
             "block_size": 128,
             "kv_cache_dtype": "auto",
@@ -122,6 +123,8 @@ def test_doctor_probe_rows_block_on_what_stops_vllm() -> None:
     assert rows["plugin loaded by vLLM"].status == doctor.BLOCKER
     assert rows["engine has the guard"].status == doctor.BLOCKER
     assert rows["VLLM_CPU_KVCACHE_SPACE"].status == doctor.WARN
+    assert rows["row digests (host)"].status == doctor.WARN
+    assert "No module named 'numba'" in rows["row digests (host)"].detail
     assert "seals nothing until it holds 128 tokens" in rows["block size"].detail
     text = doctor.render(list(rows.values()))
     assert text.endswith("3 blocker(s): fix them before enabling the guard")

@@ -1,0 +1,109 @@
+"""The row digest on the host: KVG64 (the device path's row digest, :func:`rows.row_digests_reference`)
+in compiled loops.
+
+A row's digest is ``avalanche(sum over its 64-bit words j of term(word_j, (j + 1) x P5 + slot
+x P3))`` (never 0). It is a sum of one term per word, so it can be taken a piece at a time, in
+any order: the write op's wrapper adds each layer's K and V words to a per-row sum as vLLM
+hands them over (:func:`add_layer`), with no copy of the rows, and :func:`finish` turns the sums
+into digests after the forward. XXH3, which hashed host rows before (2026-12-05), needs a row's
+bytes in one buffer: the wrapper copied every row of every layer into one (1 MiB a step at 128
+running requests, into memory the forward had pushed out of the caches: ~95 us a layer).
+
+Compiled with numba (a dependency of vLLM) on first use, cached on disk (``cache=True``): about
+a second once per machine, then a load. Where numba cannot be imported, the same digests are
+computed with numpy (:func:`digest_rows` only; the wrapper is then not used: rows are read back
+from the pages), several times slower; :func:`backend` says which. numpy's word function is
+also the definition the compiled one is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+P1 = 0x9E3779B185EBCA87
+P2 = 0xC2B2AE3D27D4EB4F
+P3 = 0x165667B19E3779F9
+P5 = 0x27D4EB2F165667C5
+
+_compiled: dict[str, Callable[..., Any]] | None = None
+_why_not = ""
+
+
+def _avalanche(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint64(33))
+    x = x * np.uint64(P2)
+    x = x ^ (x >> np.uint64(29))
+    x = x * np.uint64(P3)
+    return x ^ (x >> np.uint64(32))
+
+
+def _sums_numpy(words: np.ndarray, slots: np.ndarray, first_word: int = 0) -> np.ndarray:
+    """Per row, the sum of its words' terms (words (rows, n) uint64; word i is the row's word
+    ``first_word + i``), in numpy: the definition."""
+    n = words.shape[1]
+    with np.errstate(over="ignore"):
+        keys = np.arange(first_word + 1, first_word + n + 1, dtype=np.uint64) * np.uint64(P5)
+        a = keys[None, :] + (slots.astype(np.uint64) * np.uint64(P3))[:, None] + words * np.uint64(P2)
+        a = (a << np.uint64(31)) | (a >> np.uint64(33))
+        return _avalanche(a * np.uint64(P1)).sum(axis=1, dtype=np.uint64)
+
+
+def _finish_numpy(sums: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        out = _avalanche(np.asarray(sums, dtype=np.uint64))
+    out[out == 0] = 1
+    return out
+
+
+def compiled() -> dict[str, Callable[..., Any]] | None:
+    """The compiled kernels, built once (None where numba cannot be used: :func:`backend`)."""
+    global _compiled, _why_not
+    if _compiled is None and not _why_not:
+        try:
+            # Imported here, not with this module: importing numba (llvmlite) before vLLM's
+            # worker has started breaks vLLM 0.32's kernel scan (connector/patches.py,
+            # guard_kernel_scan), so the worker patches that scan first, then calls this.
+            from vllm_kvguard.digest import _rowkernels
+
+            kernels = _rowkernels.KERNELS
+            # Compile (or load from the cache) now, not in a step: a 1-row call of each.
+            w = np.zeros((1, 1), dtype=np.uint64)
+            s = np.zeros(1, dtype=np.int64)
+            out = np.zeros(1, dtype=np.uint64)
+            kernels["digest_rows"](w, s, out)
+            kernels["finish"](out, out)
+            _compiled = kernels
+        except Exception as exc:  # numba missing or unusable here: numpy computes the same
+            _why_not = f"{type(exc).__name__}: {exc}"
+    return _compiled
+
+
+def backend() -> str:
+    """Which code computes host row digests: ``numba`` or ``numpy (why)``."""
+    return "numba" if compiled() is not None else f"numpy ({_why_not})"
+
+
+def digest_rows(raw: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """KVG64 digest of each row of ``raw`` (rows x bytes, a multiple of 8 bytes; any dtype
+    viewed as bytes), keyed by its slot in the block; uint64, never 0."""
+    words = np.ascontiguousarray(raw).view(np.uint8).view(np.uint64).reshape(len(raw), -1)
+    slots = np.asarray(slots, dtype=np.int64)
+    kernels = compiled()
+    if kernels is None:
+        return _finish_numpy(_sums_numpy(words, slots))
+    out = np.empty(len(words), dtype=np.uint64)
+    kernels["digest_rows"](words, slots, out)
+    return out
+
+
+def finish(sums: np.ndarray) -> np.ndarray:
+    """Digests from per-row sums of every word's term (:func:`add_layer`'s)."""
+    kernels = compiled()
+    if kernels is None:
+        return _finish_numpy(sums)
+    out = np.empty(len(sums), dtype=np.uint64)
+    kernels["finish"](sums, out)
+    return out
