@@ -1,0 +1,109 @@
+"""Why the guard's per-step work costs 5-10x more inside the engine than in isolation.
+
+    python benchmarks/cold_calls.py [--flush-mib 256] [--repeats 21]
+
+A forward streams the KV pages it reads (here: a buffer larger than the last-level cache is
+written), which pushes numpy's, numba's and the guard's own code and data out of the caches; the
+guard's work after it starts cold. Times, µs (medians), each call right after the flush ("cold")
+and again at once ("warm"):
+
+- ``numpy, 3 ops``: ``ids = blocks * 16 + slots; (ids == ref).all()`` on 128 rows (the written
+  rows' order check), and the same twice in a row (the second set costs nothing more: the cost is
+  per kind of call, not per call);
+- ``numba, 1 call``: the same check compiled into one function;
+- ``copy a layer's rows`` / ``sum a layer's rows``: the write op wrapper's work for one layer of
+  128 rows of the bench's model (K and V of 8 heads of 64, bf16, strided in a QKV output), the
+  way up to 2026-12-05 (two numpy copies into the written-rows buffer) and since (rowhash's
+  ``add_layer``: the rows' KVG64 terms summed, a 64-byte probe kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--flush-mib", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=21)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    import numba
+
+    from vllm_kvguard.digest import rowhash
+
+    assert rowhash.compiled() is not None, rowhash.backend()
+    from vllm_kvguard.digest import _rowkernels
+
+    n = 128
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 8000, n).astype(np.int64)
+    slots = rng.integers(0, 16, n).astype(np.int64)
+    ref = blocks * 16 + slots
+
+    @numba.njit(nogil=True)
+    def same(blocks, slots, bs, ref):  # type: ignore[no-untyped-def]
+        ok = True
+        for i in range(len(blocks)):
+            ok &= blocks[i] * bs + slots[i] == ref[i]
+        return ok
+
+    same(blocks, slots, 16, ref)
+    qkv = torch.randn(n, 1536).to(torch.bfloat16)
+    key, value = qkv[:, 512:1024], qkv[:, 1024:]
+    lanes = np.zeros((2048, 4, 1024), dtype=np.int16)
+    sums = np.zeros(n, dtype=np.uint64)
+    probe = np.zeros((n, 4, 8), dtype=np.uint64)
+    spec = np.array([[1, 0, 0, 8]], dtype=np.int64)
+    flat = blocks * 16 + slots
+
+    def numpy_ops() -> None:
+        ids = blocks * 16 + slots
+        (ids == ref).all()
+
+    def numpy_twice() -> None:
+        numpy_ops()
+        numpy_ops()
+
+    def copy_layer() -> None:
+        lanes[:n, 1, :512] = key.view(torch.int16).numpy().reshape(n, -1)
+        lanes[:n, 1, 512:] = value.view(torch.int16).numpy().reshape(n, -1)
+
+    def sum_layer() -> None:
+        kw = key.view(torch.int16).numpy().reshape(n, -1).view(np.uint64)
+        vw = value.view(torch.int16).numpy().reshape(n, -1).view(np.uint64)
+        _rowkernels.add_layer(kw, vw, flat, 16, 256, 384, sums, True, probe[:, 1], spec)
+
+    cases: list[tuple[str, Callable[[], object]]] = [
+        ("numpy, 3 ops", numpy_ops),
+        ("numpy, 3 ops twice", numpy_twice),
+        ("numba, 1 call", lambda: same(blocks, slots, 16, ref)),
+        ("copy a layer's rows", copy_layer),
+        ("sum a layer's rows", sum_layer),
+    ]
+    flush = np.ones(a.flush_mib << 20, dtype=np.uint8)
+    times: dict[str, list[float]] = {}
+    for _ in range(a.repeats):
+        for name, fn in cases:
+            flush += 1
+            qkv.mul_(1)  # the QKV output is hot, as the projection leaves it
+            start = time.perf_counter()
+            fn()
+            times.setdefault(name + " cold", []).append(time.perf_counter() - start)
+            start = time.perf_counter()
+            fn()
+            times.setdefault(name + " warm", []).append(time.perf_counter() - start)
+    print(f"{'':24} {'cold':>8} {'warm':>8}   (us, medians of {a.repeats})")
+    for name, _ in cases:
+        cold, warm = (statistics.median(times[f"{name} {k}"]) * 1e6 for k in ("cold", "warm"))
+        print(f"{name:24} {cold:8.1f} {warm:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
