@@ -141,8 +141,9 @@ class WrittenRows:
     """The rows vLLM's CPU attention was handed to write this step, every layer, kept as their
     row digests (the sum of each row's KVG64 terms, added a layer at a time by rowhash's
     compiled ``add_layer`` as the write op is called: no copy of the rows) and, for the landing
-    check (:meth:`HostRows.landed`), a probe of each row (the first contiguous run of each part
-    that has runs, every layer: on vLLM's CPU layout the first head's V, 128 bytes a layer),
+    check (:meth:`HostRows.landed`), a probe of each row (the start of the first contiguous run
+    of each part that has runs, every layer: on vLLM's CPU layout the first 64 bytes of the
+    first head's V),
     with the slots they went to. Reading a row back out of a page after the forward costs one
     cache line per K element on vLLM's CPU layout (about 4 us a row and layer inside the
     engine). Fed by the write op's wrapper (patches.observe_cpu_kv_writes); a step whose writes
