@@ -18,6 +18,7 @@ from vllm_kvguard.connector.metadata import KVGuardMetadata
 from vllm_kvguard.connector.worker import KVGuardWorker
 from vllm_kvguard.core.ledger import StepPlan
 from vllm_kvguard.digest import rowhash
+from vllm_kvguard.digest.rows import row_digests_reference
 from vllm_kvguard.logs import GuardLog
 
 BLOCKS = 6
@@ -301,6 +302,30 @@ def test_an_error_keeping_written_rows_is_internal_and_the_rows_are_read_back(
     assert any("kv_write" in e for e in out.internal_errors)  # type: ignore[attr-defined]
     # The rows were recorded from the page all the same.
     assert (worker.rows.rows[2, :3] == worker.rows.hash(np.array([2, 2, 2]), np.array([0, 1, 2]))).all()
+
+
+def test_without_numba_rows_are_read_back_and_the_start_up_line_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """design.md, "Decisions": where numba cannot be used, numpy computes the same digests and
+    every row is read back out of its page after the forward; the worker's start-up line names
+    the reason."""
+    monkeypatch.setattr(rowhash, "_compiled", None)
+    monkeypatch.setattr(rowhash, "_why_not", "ImportError: No module named 'numba'")
+    with caplog.at_level(logging.INFO):
+        worker, kv = _rows_worker()
+    assert worker.written is None and worker.rows is not None
+    assert any(
+        "read back (row sums need numba: numpy (ImportError: No module named 'numba'))" in r.getMessage()
+        for r in caplog.records
+    )
+    _forward_step(worker, kv, _written(1, 2, [0, 1, 2], []), seed=1)
+    assert worker.rows_as_written == 0
+    want = row_digests_reference(
+        worker.rows.host.gather(np.array([2, 2, 2]), np.array([0, 1, 2])),
+        [0, 1, 2],  # type: ignore[union-attr]
+    )
+    assert np.array_equal(worker.rows.rows[2, :3], want)
 
 
 def test_the_written_rows_buffer_is_the_documented_size() -> None:
