@@ -63,7 +63,7 @@ from vllm_kvguard.logs import LOGGER_NAME
 _log = logging.getLogger(LOGGER_NAME)
 
 
-def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
     """Replace ``owner.name`` with ``make(original)`` once; False where vLLM has no such name."""
     original = getattr(owner, name, None)
     if original is None:
@@ -276,25 +276,20 @@ def guard_kernel_scan() -> bool:
         from vllm.triton_utils import dispatcher
     except ImportError:
         return False
-    original = getattr(dispatcher, "_rebind_kernels", None)
-    if original is None:
-        return False
-    if getattr(original, "_kvguard", False):
-        return True
 
-    @functools.wraps(original)
-    def _rebind_kernels(*args: Any, **kwargs: Any) -> Any:
-        ffi = sys.modules.get("llvmlite.binding.ffi")
-        hidden = ffi.__dict__.pop("lib", None) if ffi is not None else None
-        try:
-            return original(*args, **kwargs)
-        finally:
-            if hidden is not None:
-                ffi.lib = hidden  # type: ignore[union-attr]
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _rebind_kernels(*args: Any, **kwargs: Any) -> Any:
+            ffi = sys.modules.get("llvmlite.binding.ffi")
+            hidden = ffi.__dict__.pop("lib", None) if ffi is not None else None
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if hidden is not None:
+                    ffi.lib = hidden  # type: ignore[union-attr]
 
-    _rebind_kernels._kvguard = True  # type: ignore[attr-defined]
-    dispatcher._rebind_kernels = _rebind_kernels
-    return True
+        return _rebind_kernels
+
+    return _wrap(dispatcher, "_rebind_kernels", make)
 
 
 def original_cpu_kv_write() -> Callable[..., Any]:

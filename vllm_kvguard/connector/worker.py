@@ -234,9 +234,9 @@ class WrittenRows:
         )
         self.seen.add(layer)
 
-    def digests(self, positions: np.ndarray | None, n: int) -> np.ndarray:
-        """The digests of the written rows ``positions`` (None: the first ``n``, in order)."""
-        return rowhash.finish(self.sums[:n] if positions is None else self.sums[positions])
+    def digests(self, at: slice | np.ndarray) -> np.ndarray:
+        """The digests of the written rows ``at`` (their places in the write op's order)."""
+        return rowhash.finish(self.sums[at])
 
     def find(
         self, blocks: np.ndarray, slots: np.ndarray, block_size: int
@@ -386,7 +386,6 @@ class KVGuardWorker:
                     host = None
                     how = f"on (CPU layout {isa}, probed, torch gather)"
                 gathers: list[RowAccess] = [PackedRows(t, elements) for t in tensors]
-                patches.guard_kernel_scan()  # (again: before numba is first imported here)
                 if (
                     host is not None
                     and host.probe_spec is not None
@@ -1066,17 +1065,17 @@ class KVGuardWorker:
             n = len(blocks)
             self.rows_as_written += n
             return self.rows.record(
-                blocks, slots, written.digests(None, n), written.probe[:n], flat=written.slots
+                blocks, slots, written.digests(slice(n)), written.probe[:n], flat=written.slots
             )
         if use.all():
             self.rows_as_written += len(use)
-            return self.rows.record(blocks, slots, written.digests(positions, 0), written.probe[positions])
+            return self.rows.record(blocks, slots, written.digests(positions), written.probe[positions])
         if not use.any():
             return self.rows.record(blocks, slots)
         same = np.zeros(len(blocks), dtype=bool)
         mine = np.flatnonzero(use)
         at = positions[mine]
-        same[mine] = self.rows.record(blocks[mine], slots[mine], written.digests(at, 0), written.probe[at])
+        same[mine] = self.rows.record(blocks[mine], slots[mine], written.digests(at), written.probe[at])
         rest = np.flatnonzero(~use)
         same[rest] = self.rows.record(blocks[rest], slots[rest])
         self.rows_as_written += len(mine)

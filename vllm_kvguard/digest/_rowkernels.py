@@ -9,7 +9,7 @@ from typing import Any
 
 import numba
 
-from vllm_kvguard.digest.rowhash import P1, P2, P3, P5
+from vllm_kvguard.digest.kernel import P1, P2, P3, P5
 
 _U = numba.uint64
 _P1, _P2, _P3, _P5 = _U(P1), _U(P2), _U(P3), _U(P5)

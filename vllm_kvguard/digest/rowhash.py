@@ -12,8 +12,7 @@ running requests, into memory the forward had pushed out of the caches: ~95 us a
 Compiled with numba (a dependency of vLLM) on first use, cached on disk (``cache=True``): about
 a second once per machine, then a load. Where numba cannot be imported, the same digests are
 computed with numpy (:func:`digest_rows` only; the wrapper is then not used: rows are read back
-from the pages), several times slower; :func:`backend` says which. numpy's word function is
-also the definition the compiled one is tested against.
+from the pages), several times slower; :func:`backend` says which.
 """
 
 from __future__ import annotations
@@ -23,26 +22,16 @@ from typing import Any
 
 import numpy as np
 
-P1 = 0x9E3779B185EBCA87
-P2 = 0xC2B2AE3D27D4EB4F
-P3 = 0x165667B19E3779F9
-P5 = 0x27D4EB2F165667C5
+from vllm_kvguard.digest.kernel import P1, P2, P3, P5, _avalanche
 
 _compiled: dict[str, Callable[..., Any]] | None = None
 _why_not = ""
 
 
-def _avalanche(x: np.ndarray) -> np.ndarray:
-    x = x ^ (x >> np.uint64(33))
-    x = x * np.uint64(P2)
-    x = x ^ (x >> np.uint64(29))
-    x = x * np.uint64(P3)
-    return x ^ (x >> np.uint64(32))
-
-
 def _sums_numpy(words: np.ndarray, slots: np.ndarray, first_word: int = 0) -> np.ndarray:
     """Per row, the sum of its words' terms (words (rows, n) uint64; word i is the row's word
-    ``first_word + i``), in numpy: the definition."""
+    ``first_word + i``), in numpy (the fallback; :func:`rows.row_digests_reference` is the
+    definition both are tested against)."""
     n = words.shape[1]
     with np.errstate(over="ignore"):
         keys = np.arange(first_word + 1, first_word + n + 1, dtype=np.uint64) * np.uint64(P5)
@@ -65,16 +54,24 @@ def compiled() -> dict[str, Callable[..., Any]] | None:
         try:
             # Imported here, not with this module: importing numba (llvmlite) before vLLM's
             # worker has started breaks vLLM 0.32's kernel scan (connector/patches.py,
-            # guard_kernel_scan), so the worker patches that scan first, then calls this.
+            # guard_kernel_scan: the plugin guards the scans of later engines; the first
+            # engine's scan has run before its worker calls this).
             from vllm_kvguard.digest import _rowkernels
 
             kernels = _rowkernels.KERNELS
-            # Compile (or load from the cache) now, not in a step: a 1-row call of each.
+            # Compile (or load from the cache) now, not in a step: a 1-row call of each, with
+            # the argument kinds the worker passes (add_layer: strided views of the QKV output).
             w = np.zeros((1, 1), dtype=np.uint64)
             s = np.zeros(1, dtype=np.int64)
             out = np.zeros(1, dtype=np.uint64)
             kernels["digest_rows"](w, s, out)
             kernels["finish"](out, out)
+            strided = np.zeros((2, 4), dtype=np.uint64)[:, ::2]
+            probe = np.zeros((2, 2, 1), dtype=np.uint64)[:, 0]
+            two = np.zeros(2, dtype=np.int64)
+            sums = np.zeros(2, dtype=np.uint64)
+            spec = np.zeros((1, 4), dtype=np.int64)
+            kernels["add_layer"](strided, strided, two, 16, 0, 1, sums, True, probe, spec)
             _compiled = kernels
         except Exception as exc:  # numba missing or unusable here: numpy computes the same
             _why_not = f"{type(exc).__name__}: {exc}"
