@@ -11,10 +11,13 @@ and again at once ("warm"):
   rows' order check), and the same twice in a row (the second set costs nothing more: the cost is
   per kind of call, not per call);
 - ``numba, 1 call``: the same check compiled into one function;
-- ``copy a layer's rows`` / ``sum a layer's rows``: the write op wrapper's work for one layer of
-  128 rows of the bench's model (K and V of 8 heads of 64, bf16, strided in a QKV output), the
-  way up to 2026-12-05 (two numpy copies into the written-rows buffer) and since (rowhash's
-  ``add_layer``: the rows' KVG64 terms summed, a 64-byte probe kept).
+- ``copy a layer's rows`` / ``sum a layer's rows`` / ``... by address``: the write op wrapper's
+  work for one layer of 128 rows of the bench's model (K and V of 8 heads of 64, bf16, strided in
+  a QKV output), the way up to 2026-12-05 (two numpy copies into the written-rows buffer), in the
+  seventh round (numpy views of K and V handed to a compiled loop over arrays: the rows' KVG64
+  terms summed, a 64-byte probe kept; that loop is kept here for the comparison) and since the
+  eighth (``WrittenRows.observe`` as the worker calls it: the tensors' layout checked, then
+  rowhash's ``add_layer`` given addresses and strides).
 """
 
 from __future__ import annotations
@@ -39,7 +42,22 @@ def main() -> None:
     from vllm_kvguard.digest import rowhash
 
     assert rowhash.compiled() is not None, rowhash.backend()
+    from vllm_kvguard.connector.worker import WrittenRows
     from vllm_kvguard.digest import _rowkernels
+
+    @numba.njit(nogil=True)
+    def add_layer_arrays(kw, vw, flat, block_size, jk, jv, sums, first, probe, spec):  # type: ignore[no-untyped-def]
+        # The seventh round's loop (numpy arrays in, the same sums and probes out).
+        for r in range(kw.shape[0]):
+            s = numba.uint64(flat[r] % block_size) * _rowkernels._P3
+            t = _rowkernels._terms(kw, r, s + numba.uint64(jk) * _rowkernels._P5) + _rowkernels._terms(
+                vw, r, s + numba.uint64(jv) * _rowkernels._P5
+            )
+            sums[r] = t if first else sums[r] + t
+            for m in range(spec.shape[0]):
+                lo, at, count = spec[m, 1], spec[m, 2], spec[m, 3]
+                for i in range(count):
+                    probe[r, at + i] = kw[r, lo + i] if spec[m, 0] == 0 else vw[r, lo + i]
 
     n = 128
     rng = np.random.default_rng(0)
@@ -56,12 +74,20 @@ def main() -> None:
 
     same(blocks, slots, 16, ref)
     qkv = torch.randn(n, 1536).to(torch.bfloat16)
-    key, value = qkv[:, 512:1024], qkv[:, 1024:]
+    key, value = qkv[:, 512:1024].view(n, 8, 64), qkv[:, 1024:].view(n, 8, 64)
     lanes = np.zeros((2048, 4, 1024), dtype=np.int16)
     sums = np.zeros(n, dtype=np.uint64)
     probe = np.zeros((n, 4, 8), dtype=np.uint64)
     spec = np.array([[1, 0, 0, 8]], dtype=np.int64)
     flat = blocks * 16 + slots
+    slot_mapping = torch.from_numpy(flat)
+
+    class Cache:  # the layer's key cache as the write op's argument: only its address is read
+        def data_ptr(self) -> int:
+            return 1
+
+    cache = Cache()
+    written = WrittenRows({1: 1}, 4, 1024, torch.bfloat16, 16, spec)
 
     def numpy_ops() -> None:
         ids = blocks * 16 + slots
@@ -78,7 +104,15 @@ def main() -> None:
     def sum_layer() -> None:
         kw = key.view(torch.int16).numpy().reshape(n, -1).view(np.uint64)
         vw = value.view(torch.int16).numpy().reshape(n, -1).view(np.uint64)
-        _rowkernels.add_layer(kw, vw, flat, 16, 256, 384, sums, True, probe[:, 1], spec)
+        add_layer_arrays(kw, vw, flat, 16, 256, 384, sums, True, probe[:, 1], spec)
+
+    def sum_by_address() -> None:
+        written.begin()
+        written.observe(key, value, cache, slot_mapping)  # type: ignore[arg-type]
+
+    sum_layer()
+    sum_by_address()
+    assert np.array_equal(written.sums[:n], sums) and np.array_equal(written.probe[:n, 1], probe[:, 1])
 
     cases: list[tuple[str, Callable[[], object]]] = [
         ("numpy, 3 ops", numpy_ops),
@@ -86,6 +120,7 @@ def main() -> None:
         ("numba, 1 call", lambda: same(blocks, slots, 16, ref)),
         ("copy a layer's rows", copy_layer),
         ("sum a layer's rows", sum_layer),
+        ("... by address", sum_by_address),
     ]
     flush = np.ones(a.flush_mib << 20, dtype=np.uint8)
     times: dict[str, list[float]] = {}

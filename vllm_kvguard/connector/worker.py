@@ -176,11 +176,26 @@ class WrittenRows:
         self.layer_words = width * dtype.itemsize // 8
         self.spec = np.ascontiguousarray(spec, dtype=np.int64)
         probe_words = int(self.spec[:, 3].sum()) if len(self.spec) else 0
-        self.capacity = max(self.MIN_ROWS, self.BYTES // (8 + 8 * num_layers * probe_words))
+        lo, at, count = (self.spec[:, i] for i in (1, 2, 3))
+        if len(self.spec) and (
+            (lo < 0).any()
+            or (at < 0).any()
+            or (lo + count > self.layer_words // 2).any()
+            or (at + count > probe_words).any()
+        ):
+            raise ValueError("the landing probe reads outside a row's K or V words")
+        self.probe_words = probe_words
+        # Per row: its sum and its slot (8 bytes each), its probe (8 x probe_words a layer).
+        self.capacity = max(self.MIN_ROWS, self.BYTES // (16 + 8 * num_layers * probe_words))
         # Zeroed, not empty: their pages are touched now, not on a step's first long prefill.
         self.sums = np.zeros(self.capacity, dtype=np.uint64)
         self.probe = np.zeros((self.capacity, num_layers, probe_words), dtype=np.uint64)
-        self.lane = getattr(torch, f"int{8 * dtype.itemsize}")
+        self._slots = np.zeros(self.capacity, dtype=np.int64)
+        # add_layer's arguments that do not change: where the tables lie (they are never resized).
+        self._sums_at = self.sums.ctypes.data
+        self._probe_at = self.probe.ctypes.data
+        self._slots_at = self._slots.ctypes.data
+        self._half = width // 2  # elements of a row's K (and of its V) in one layer
         self.dtype = dtype
         self.slots: np.ndarray | None = None
         self.seen: set[int] = set()
@@ -188,13 +203,32 @@ class WrittenRows:
         self.broken = False
 
     def nbytes(self) -> int:
-        return int(self.sums.nbytes + self.probe.nbytes)
+        return int(self.sums.nbytes + self.probe.nbytes + self._slots.nbytes)
 
     def begin(self) -> None:
         self.open, self.broken, self.slots, self.seen = True, False, None, set()
 
     def close(self) -> None:
         self.open = False
+
+    def _rows_at(self, t: torch.Tensor, n: int) -> tuple[int, int] | None:
+        """(address, bytes from one row to the next) of ``t``, n rows of one layer's K (or V)
+        on the host, each row one run of whole, aligned 64-bit words; None where ``t`` is
+        anything else (its rows are then read back out of the pages)."""
+        shape = t.shape
+        if not t.is_cpu or t.dtype != self.dtype or not len(shape) or shape[0] != n:
+            return None
+        stride = t.stride()
+        run = 1
+        for size, step in zip(reversed(shape[1:]), reversed(stride[1:]), strict=True):
+            if size != 1 and step != run:
+                return None
+            run *= size
+        step = stride[0] * self.dtype.itemsize
+        address = t.data_ptr()
+        if run != self._half or address % 8 or step % 8:
+            return None
+        return address, step
 
     def observe(
         self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -203,33 +237,45 @@ class WrittenRows:
         if not self.open or self.broken or layer is None:
             return
         n = int(slot_mapping.shape[0])
-        if n > self.capacity or key.dtype != self.dtype or value.dtype != self.dtype or layer in self.seen:
+        if n > self.capacity or layer in self.seen:
             self.broken = True  # (a layer written twice would add its terms twice)
             return
-        if self.slots is None:
-            if slot_mapping.dtype == torch.int64 and slot_mapping.device.type == "cpu":
-                self.slots = slot_mapping.numpy().copy()
-            else:
-                self.slots = slot_mapping.to("cpu", torch.int64).numpy().copy()
-        elif len(self.slots) != n:
+        first = not self.seen
+        if first:
+            if not (
+                slot_mapping.is_cpu
+                and slot_mapping.dtype == torch.int64
+                and slot_mapping.dim() == 1
+                and slot_mapping.stride(0) == 1
+            ):
+                slot_mapping = slot_mapping.to("cpu", torch.int64).contiguous()
+            self.slots = self._slots[:n]
+        elif self.slots is None or len(self.slots) != n:
             self.broken = True
             return
-        if key.requires_grad or value.requires_grad:  # not under vLLM's inference mode
-            key, value = key.detach(), value.detach()
-        # numpy views of the same memory (strided rows of the QKV output), as 64-bit words.
-        kw = key.view(self.lane).numpy().reshape(n, -1).view(np.uint64)
-        vw = value.view(self.lane).numpy().reshape(n, -1).view(np.uint64)
+        k, v = self._rows_at(key, n), self._rows_at(value, n)
+        if k is None or v is None:
+            self.broken = True  # a layout the compiled loop does not read: rows read back
+            return
         j = layer * self.layer_words
+        # One compiled call a layer, all ints: it reads the rows where vLLM's QKV output holds
+        # them (checked above: n rows of whole aligned words), writes the tables kept here.
         self._add(
-            kw,
-            vw,
-            self.slots,
+            n,
+            k[0],
+            k[1],
+            v[0],
+            v[1],
+            self.layer_words // 2,
+            slot_mapping.data_ptr() if first else 0,
+            self._slots_at,
+            first,
             self.block_size,
             j,
             j + self.layer_words // 2,
-            self.sums[:n],
-            not self.seen,
-            self.probe[:n, layer],
+            self._sums_at,
+            self._probe_at + 8 * layer * self.probe_words,
+            self.num_layers * self.probe_words,
             self.spec,
         )
         self.seen.add(layer)

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numba
+from numba import types
+from numba.extending import intrinsic
 
 from vllm_kvguard.digest.kernel import P1, P2, P3, P5
 
@@ -43,23 +45,84 @@ def digest_rows(words, slots, out):
         out[r] = d if d != _U(0) else _U(1)
 
 
+@intrinsic
+def _words_at(typingctx, address):
+    # The 64-bit words at a memory address (an int), as a pointer the loops can index.
+    sig = types.CPointer(types.uint64)(address)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+@intrinsic
+def _ints_at(typingctx, address):
+    sig = types.CPointer(types.int64)(address)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
 @numba.njit(cache=True, nogil=True)
-def add_layer(kw, vw, flat, block_size, jk, jv, sums, first, probe, spec):
-    # One layer of the rows the write op was handed: K words (rows, n) are the row's words
-    # jk.., V words jv..; sums[r] starts again where ``first``. ``spec`` (m, 4): copy words
-    # [lo, lo + count) of K (0) or V (1) to probe[r, at:at + count].
-    for r in range(kw.shape[0]):
-        s = _U(flat[r] % block_size) * _P3
-        t = _terms(kw, r, s + _U(jk) * _P5) + _terms(vw, r, s + _U(jv) * _P5)
+def _terms_at(p, count, key):
+    acc = _U(0)
+    for j in range(count):
+        key += _P5
+        a = key + p[j] * _P2
+        a = (a << _U(31)) | (a >> _U(33))
+        acc += _mix(a * _P1)
+    return acc
+
+
+@numba.njit(cache=True, nogil=True)
+def add_layer(
+    n,
+    k_at,
+    k_step,
+    v_at,
+    v_step,
+    words,
+    slots_from,
+    slots_at,
+    first,
+    block_size,
+    jk,
+    jv,
+    sums_at,
+    probe_at,
+    probe_step,
+    spec,
+):
+    # One layer of the n rows the write op was handed, read where they lie (addresses, not
+    # arrays: numba's dispatch of a few ints costs a fraction of that of strided arrays, and
+    # the caller needs no numpy views of torch's tensors). Row r's K words are the ``words``
+    # 64-bit words at k_at + r x k_step (bytes), its V words at v_at + r x v_step; they are the
+    # row's words jk.. and jv... ``first`` (the step's first layer): the slot mapping at
+    # slots_from is copied to slots_at (int64) and sums[r] starts again. ``spec`` (m, 4): copy
+    # words [lo, lo + count) of K (0) or V (1) to the probe at probe_at + r x probe_step
+    # words + at. The caller checks every address and extent (WrittenRows.observe).
+    slots = _ints_at(slots_at)
+    sums = _words_at(sums_at)
+    probe = _words_at(probe_at)
+    if first:
+        source = _ints_at(slots_from)
+        for r in range(n):
+            slots[r] = source[r]
+    for r in range(n):
+        k = _words_at(k_at + r * k_step)
+        v = _words_at(v_at + r * v_step)
+        s = _U(slots[r] % block_size) * _P3
+        t = _terms_at(k, words, s + _U(jk) * _P5) + _terms_at(v, words, s + _U(jv) * _P5)
         sums[r] = t if first else sums[r] + t
+        row = r * probe_step
         for m in range(spec.shape[0]):
             lo, at, count = spec[m, 1], spec[m, 2], spec[m, 3]
-            if spec[m, 0] == 0:
-                for i in range(count):
-                    probe[r, at + i] = kw[r, lo + i]
-            else:
-                for i in range(count):
-                    probe[r, at + i] = vw[r, lo + i]
+            src = k if spec[m, 0] == 0 else v
+            for i in range(count):
+                probe[row + at + i] = src[lo + i]
 
 
 @numba.njit(cache=True, nogil=True)

@@ -329,18 +329,18 @@ def test_without_numba_rows_are_read_back_and_the_start_up_line_says_why(
 
 
 def test_the_written_rows_buffer_is_the_documented_size() -> None:
-    """docs/performance.md, "Memory": 16 MiB (per row its sum, 8 bytes, and its landing probe:
-    64 bytes a layer), or 256 rows where that is larger."""
+    """docs/performance.md, "Memory": 16 MiB (per row its sum and its slot, 8 bytes each, and
+    its landing probe: 64 bytes a layer), or 256 rows where that is larger."""
     from vllm_kvguard.connector.worker import WrittenRows
     from vllm_kvguard.digest.rows import HostRows
 
     one_line = np.array([[1, 0, 0, HostRows.PROBE_WORDS]])
-    # kvguard bench's model: 4 layers: 264 bytes a row.
+    # kvguard bench's model: 4 layers: 272 bytes a row, 61,680 rows.
     bench = WrittenRows({}, 4, 2 * 8 * 64, torch.bfloat16, 16, one_line)
-    assert (bench.capacity, bench.nbytes()) == ((16 << 20) // 264, (16 << 20) // 264 * 264)
-    # Llama-3-8B class: 32 layers: 2,056 bytes a row, 8,160 rows.
+    assert (bench.capacity, bench.nbytes()) == (61680, 61680 * 272)
+    # Llama-3-8B class: 32 layers: 2,064 bytes a row, 8,128 rows.
     llama = WrittenRows({}, 32, 2 * 8 * 128, torch.bfloat16, 16, one_line)
-    assert (llama.capacity, llama.nbytes()) == (8160, 8160 * 2056)
+    assert (llama.capacity, llama.nbytes()) == (8128, 8128 * 2064)
     # Rows over 64 KiB: 256 rows all the same.
     huge = WrittenRows({}, 1100, 2 * 8 * 128, torch.bfloat16, 16, one_line)
     assert huge.capacity == 256
@@ -406,3 +406,45 @@ def test_written_rows_keep_key_then_value_whatever_the_tensors_memory(layout: st
     # The same layer again in one step would count its words twice: the step's rows are not used.
     rows.observe(key, value, Cache(), flat)  # type: ignore[arg-type]
     assert rows.broken
+
+
+@pytest.mark.parametrize("case", ["heads_apart", "unaligned", "other_dtype", "short", "int32_slots"])
+def test_written_rows_are_read_only_where_the_compiled_loop_can_read_them(case: str) -> None:
+    """The wrapper's compiled loop reads rows by address: it is handed only n rows of whole,
+    aligned 64-bit words a row (K and V each). Anything else (heads not side by side, an
+    address off an 8-byte boundary, another dtype, fewer rows than slots) leaves the tables
+    untouched and the step's rows to be read back out of the pages; a slot mapping of another
+    integer type is converted first."""
+    from vllm_kvguard.connector.worker import WrittenRows
+
+    n = 5
+    qkv = torch.randn(n, 56).to(torch.bfloat16)  # rows of 112 bytes: whole words
+    key, value = qkv[:, 16:32].reshape(n, 2, 8), qkv[:, 32:48].reshape(n, 2, 8)
+    slots = torch.arange(n, dtype=torch.int64) * 3
+    if case == "heads_apart":  # (n, 2, 8) whose heads interleave
+        key = qkv[:, 16:32].reshape(n, 8, 2).transpose(1, 2)
+    elif case == "unaligned":  # starts one bf16 element past a word
+        key = qkv[:, 17:33].reshape(n, 2, 8)
+    elif case == "other_dtype":
+        key = key.to(torch.float16)
+    elif case == "short":
+        key = key[: n - 1]
+    elif case == "int32_slots":
+        slots = slots.to(torch.int32)
+    rows = WrittenRows({123: 0}, 1, 32, torch.bfloat16, 16, np.array([[1, 1, 0, 2]]))
+
+    class Cache:
+        def data_ptr(self) -> int:
+            return 123
+
+    rows.begin()
+    rows.observe(key, value, Cache(), slots)  # type: ignore[arg-type]
+    if case != "int32_slots":
+        assert rows.broken and not rows.sums[:n].any() and not rows.probe[:n].any()
+        assert rows.find(np.zeros(n, dtype=np.int64), np.arange(n) * 3, 16) is None
+        return
+    words = torch.cat([key.reshape(n, -1), value.reshape(n, -1)], dim=1).view(torch.int16).numpy()
+    assert not rows.broken and rows.slots is not None and rows.slots.tolist() == [0, 3, 6, 9, 12]
+    want = rowhash._sums_numpy(words.view(np.uint64), np.arange(n) * 3)
+    assert np.array_equal(rows.sums[:n], want)
+    assert rows.find(np.zeros(n, dtype=np.int64), np.arange(n) * 3, 16) == (None, None)

@@ -35,7 +35,8 @@ def test_summed_a_layer_at_a_time_in_any_order_is_the_whole_rows_digest() -> Non
     from vllm_kvguard.digest import _rowkernels
 
     n, heads, head, layers = 6, 2, 8, 3
-    flat = np.array([0, 17, 33, 47, 50, 63])  # blocks x 16 + slots
+    flat = np.array([0, 17, 33, 47, 50, 63], dtype=np.int64)  # blocks x 16 + slots
+    slots_seen = np.zeros(n, dtype=np.int64)  # add_layer's copy of the slot mapping
     spec = np.array([[1, 0, 0, 2]])  # probe: V words 0..1
     rows = np.zeros((n, layers, 2 * heads * head), dtype=np.int16)
     sums = np.zeros(n, dtype=np.uint64)
@@ -47,18 +48,25 @@ def test_summed_a_layer_at_a_time_in_any_order_is_the_whole_rows_digest() -> Non
         rows[:, layer] = np.concatenate([k, v], axis=1)
         j = layer * layer_words
         _rowkernels.add_layer(
-            k.view(np.uint64),
-            v.view(np.uint64),
-            flat,
+            n,
+            k.ctypes.data,
+            qkv.strides[0],
+            v.ctypes.data,
+            qkv.strides[0],
+            layer_words // 2,
+            flat.ctypes.data,
+            slots_seen.ctypes.data,
+            i == 0,
             16,
             j,
             j + layer_words // 2,
-            sums,
-            i == 0,
-            probe[:, layer],
+            sums.ctypes.data,
+            probe.ctypes.data + 8 * 2 * layer,
+            layers * 2,
             spec,
         )
     raw = rows.reshape(n, -1).view(np.uint8)
+    assert np.array_equal(slots_seen, flat)
     assert np.array_equal(rowhash.finish(sums), row_digests_reference(raw, flat % 16))
     assert np.array_equal(probe, rows.view(np.uint64).reshape(n, layers, -1)[:, :, 4:6])
 
