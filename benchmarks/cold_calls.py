@@ -50,8 +50,9 @@ def main() -> None:
         # The seventh round's loop (numpy arrays in, the same sums and probes out).
         for r in range(kw.shape[0]):
             s = numba.uint64(flat[r] % block_size) * _rowkernels._P3
-            t = _rowkernels._terms(kw, r, s + numba.uint64(jk) * _rowkernels._P5) + _rowkernels._terms(
-                vw, r, s + numba.uint64(jv) * _rowkernels._P5
+            n = kw.shape[1]
+            t = _rowkernels._terms(kw[r], n, s + numba.uint64(jk) * _rowkernels._P5) + _rowkernels._terms(
+                vw[r], n, s + numba.uint64(jv) * _rowkernels._P5
             )
             sums[r] = t if first else sums[r] + t
             for m in range(spec.shape[0]):

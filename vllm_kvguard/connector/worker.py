@@ -174,13 +174,14 @@ class WrittenRows:
         self.num_layers = num_layers
         self.block_size = block_size
         self.layer_words = width * dtype.itemsize // 8
+        self._half_words = self.layer_words // 2  # a row's K (and its V) words in one layer
         self.spec = np.ascontiguousarray(spec, dtype=np.int64)
         probe_words = int(self.spec[:, 3].sum()) if len(self.spec) else 0
         lo, at, count = (self.spec[:, i] for i in (1, 2, 3))
         if len(self.spec) and (
             (lo < 0).any()
             or (at < 0).any()
-            or (lo + count > self.layer_words // 2).any()
+            or (lo + count > self._half_words).any()
             or (at + count > probe_words).any()
         ):
             raise ValueError("the landing probe reads outside a row's K or V words")
@@ -266,13 +267,13 @@ class WrittenRows:
             k[1],
             v[0],
             v[1],
-            self.layer_words // 2,
+            self._half_words,
             slot_mapping.data_ptr() if first else 0,
             self._slots_at,
             first,
             self.block_size,
             j,
-            j + self.layer_words // 2,
+            j + self._half_words,
             self._sums_at,
             self._probe_at + 8 * layer * self.probe_words,
             self.num_layers * self.probe_words,

@@ -27,12 +27,13 @@ def _mix(x):
 
 
 @numba.njit(cache=True, nogil=True)
-def _terms(words, r, key):
-    # key: the key of the row's word before words[r, 0] (j x P5 + slot x P3).
+def _terms(words, count, key):
+    # The sum of the terms of a row's ``count`` words (an array row, or a pointer to them);
+    # key: the key of the word before words[0] (j x P5 + slot x P3).
     acc = _U(0)
-    for j in range(words.shape[1]):
+    for j in range(count):
         key += _P5
-        a = key + words[r, j] * _P2
+        a = key + words[j] * _P2
         a = (a << _U(31)) | (a >> _U(33))
         acc += _mix(a * _P1)
     return acc
@@ -41,40 +42,27 @@ def _terms(words, r, key):
 @numba.njit(cache=True, nogil=True)
 def digest_rows(words, slots, out):
     for r in range(words.shape[0]):
-        d = _mix(_terms(words, r, _U(slots[r]) * _P3))
+        d = _mix(_terms(words[r], words.shape[1], _U(slots[r]) * _P3))
         out[r] = d if d != _U(0) else _U(1)
 
 
-@intrinsic
-def _words_at(typingctx, address):
-    # The 64-bit words at a memory address (an int), as a pointer the loops can index.
-    sig = types.CPointer(types.uint64)(address)
+def _pointer_to(kind):
+    # An intrinsic: the ``kind`` values at a memory address (an int), as a pointer the loops
+    # can index.
+    @intrinsic
+    def at(typingctx, address):
+        sig = types.CPointer(kind)(address)
 
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
 
-    return sig, codegen
+        return sig, codegen
 
-
-@intrinsic
-def _ints_at(typingctx, address):
-    sig = types.CPointer(types.int64)(address)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-    return sig, codegen
+    return at
 
 
-@numba.njit(cache=True, nogil=True)
-def _terms_at(p, count, key):
-    acc = _U(0)
-    for j in range(count):
-        key += _P5
-        a = key + p[j] * _P2
-        a = (a << _U(31)) | (a >> _U(33))
-        acc += _mix(a * _P1)
-    return acc
+_words_at = _pointer_to(types.uint64)
+_ints_at = _pointer_to(types.int64)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -115,7 +103,7 @@ def add_layer(
         k = _words_at(k_at + r * k_step)
         v = _words_at(v_at + r * v_step)
         s = _U(slots[r] % block_size) * _P3
-        t = _terms_at(k, words, s + _U(jk) * _P5) + _terms_at(v, words, s + _U(jv) * _P5)
+        t = _terms(k, words, s + _U(jk) * _P5) + _terms(v, words, s + _U(jv) * _P5)
         sums[r] = t if first else sums[r] + t
         row = r * probe_step
         for m in range(spec.shape[0]):
