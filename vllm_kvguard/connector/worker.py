@@ -285,13 +285,19 @@ class WrittenRows:
         """The digests of the written rows ``at`` (their places in the write op's order)."""
         return rowhash.finish(self.sums[at])
 
+    def complete(self) -> bool:
+        """Whether every layer's rows of this step are here."""
+        return not (
+            self.broken or self.slots is None or not len(self.slots) or len(self.seen) < self.num_layers
+        )
+
     def find(
         self, blocks: np.ndarray, slots: np.ndarray, block_size: int
     ) -> tuple[np.ndarray, np.ndarray] | tuple[None, None] | None:
         """(positions, found): where each row (blocks[i], slots[i]) is among this step's written
         rows; (None, None): every row is, row i as written row i (the usual step); None where
         this step's rows are not all here."""
-        if self.broken or self.slots is None or not len(self.slots) or len(self.seen) < self.num_layers:
+        if not self.complete() or self.slots is None:
             return None
         ids = blocks * block_size + slots
         if len(ids) == len(self.slots) and (ids == self.slots).all():
@@ -1103,6 +1109,13 @@ class KVGuardWorker:
         if written is None or not written.open:
             return self.rows.record(blocks, slots)
         written.close()
+        if written.complete() and written.slots is not None:
+            # The usual step, in one compiled call: every row, in the order written.
+            n = len(written.slots)
+            same = self.rows.record_written(blocks, slots, written.slots, written.sums[:n], written.probe[:n])
+            if same is not None:
+                self.rows_as_written += n
+                return same
         found = written.find(blocks, slots, self.block_size)
         if found is None:
             return self.rows.record(blocks, slots)

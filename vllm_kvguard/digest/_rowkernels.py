@@ -120,8 +120,48 @@ def finish(sums, out):
         out[r] = d if d != _U(0) else _U(1)
 
 
+@numba.njit(cache=True, nogil=True)
+def keep_written(blocks, slots, flat, block_size, sums, probe, land, spec, rows, previous, same, missed):
+    # The rows a step wrote, kept as their digests where they landed: row r is written row r
+    # (its slot flat[r] = blocks[r] x block_size + slots[r], else -1 is returned and nothing is
+    # touched); it landed where every layer's page holds its probe (land[layer, m]: the page
+    # address of run m's first word, bytes a block, bytes a slot; spec[m]: its words in the
+    # probe); then rows[flat] = its digest and same[r] = whether that equals previous[flat]
+    # (nonzero). The rows that did not land are listed in ``missed`` (their count returned):
+    # the caller digests what their pages hold.
+    n = blocks.shape[0]
+    for r in range(n):
+        if blocks[r] * block_size + slots[r] != flat[r]:
+            return -1
+    layers = probe.shape[1]
+    missing = 0
+    for r in range(n):
+        ok = True
+        for layer in range(layers):
+            for m in range(spec.shape[0]):
+                where = land[layer, m]
+                page = _words_at(where[0] + blocks[r] * where[1] + slots[r] * where[2])
+                at = spec[m, 2]
+                for i in range(spec[m, 3]):
+                    if page[i] != probe[r, layer, at + i]:
+                        ok = False
+        if ok:
+            d = _mix(sums[r])
+            if d == _U(0):
+                d = _U(1)
+            f = flat[r]
+            p = previous[f]
+            rows[f] = d
+            same[r] = d == p and p != _U(0)
+        else:
+            missed[missing] = r
+            missing += 1
+    return missing
+
+
 KERNELS: dict[str, Callable[..., Any]] = {
     "digest_rows": digest_rows,
     "add_layer": add_layer,
     "finish": finish,
+    "keep_written": keep_written,
 }

@@ -69,6 +69,10 @@ def compiled() -> dict[str, Callable[..., Any]] | None:
             # add_layer reads and writes addresses: an empty call (n = 0) touches none.
             spec = np.zeros((1, 4), dtype=np.int64)
             kernels["add_layer"](0, 0, 0, 0, 0, 1, 0, 0, True, 16, 0, 1, 0, 0, 1, spec)
+            # keep_written with no rows (its tables' kinds: 1-d, 3-d probe and land tables).
+            probe = np.zeros((1, 1, 1), dtype=np.uint64)
+            land = np.zeros((1, 1, 3), dtype=np.int64)
+            kernels["keep_written"](s[:0], s[:0], s[:0], 16, out, probe, land, spec, out, out, out == 0, s)
             _compiled = kernels
         except Exception as exc:  # numba missing or unusable here: numpy computes the same
             _why_not = f"{type(exc).__name__}: {exc}"

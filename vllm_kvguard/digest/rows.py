@@ -41,6 +41,13 @@ from vllm_kvguard.digest.pages import layer_step
 _MASK = (1 << 64) - 1
 
 
+def _ints(values: np.ndarray) -> np.ndarray:
+    """``values`` as a writeable, contiguous int64 array (the one kind the compiled loops are
+    built for: numba compiles again for a read-only one)."""
+    out = np.ascontiguousarray(values, dtype=np.int64)
+    return out if out.flags.writeable else out.copy()
+
+
 def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
@@ -224,6 +231,7 @@ class HostRows:
         self._buffer = np.empty((0, len(self.flat), self.width), dtype=self.flat[0].dtype)
         self.probe_spec = self._probe_spec(first.element_size())
         self.probe_words = int(self.probe_spec[:, 3].sum()) if self.probe_spec is not None else 0
+        self.land = self._land_table(first.element_size())
 
     @property
     def strided(self) -> bool:
@@ -312,6 +320,21 @@ class HostRows:
             spec.append((src, lo * size // 8, at, words))
             at += words
         return np.asarray(spec, dtype=np.int64).reshape(-1, 4) if spec else None
+
+    def _land_table(self, size: int) -> np.ndarray | None:
+        """Where :meth:`landed` reads each probe run in the pool, for rowhash's compiled
+        ``keep_written``: (layers, runs, 3) int64 of (address of the run's first word in block
+        0, slot 0; bytes from a block to the next; bytes from a slot to the next). None where
+        there is no probe or a run does not start on a 64-bit word in every block and slot
+        (then :meth:`landed` compares, in numpy)."""
+        if self.probe_spec is None:
+            return None
+        page = self.page_elements * size
+        table = np.zeros((len(self.flat), len(self._runs), 3), dtype=np.int64)
+        for layer, flat in enumerate(self.flat):
+            for m, (_, part) in enumerate(self._runs):
+                table[layer, m] = (flat.ctypes.data + part.base * size, page, part.slot_stride * size)
+        return None if (table % 8).any() else table
 
     def probe_of(self, rows: np.ndarray) -> np.ndarray:
         """The probe of whole rows (rows x row_bytes, this class's order): (rows, layers,
@@ -505,6 +528,59 @@ class RowDigests:
             self.rows.reshape(-1)[flat] = digests
         same = digests == previous
         same &= previous != 0
+        return same
+
+    def record_written(
+        self,
+        blocks: np.ndarray,
+        slots: np.ndarray,
+        flat: np.ndarray,
+        sums: np.ndarray,
+        probe: np.ndarray,
+    ) -> np.ndarray | None:
+        """:meth:`record` of the rows a step wrote, from their KVG64 sums as the write op's
+        wrapper took them (:class:`connector.worker.WrittenRows`), in one compiled call (the
+        usual step): the rows in the order they were written (``flat``: vLLM's slot mapping,
+        ``blocks * block_size + slots``), the landing check, the tables' update and the
+        comparison with the previous owner's rows. Rows that did not land are digested from
+        their pages, as :meth:`record` does. None (nothing recorded) where the rows are not in
+        written order, or the pages cannot be read by address (:attr:`HostRows.land`): the
+        caller records them another way."""
+        host = self.host
+        kernels = rowhash.compiled()
+        if host is None or host.land is None or host.probe_spec is None or kernels is None:
+            return None
+        n = len(blocks)
+        if len(flat) != n or len(sums) != n or len(probe) != n:
+            return None
+        blocks = _ints(blocks)
+        slots = _ints(slots)
+        same = np.zeros(n, dtype=bool)
+        missed = np.empty(n, dtype=np.int64)
+        count = kernels["keep_written"](
+            blocks,
+            slots,
+            flat,
+            self.block_size,
+            sums,
+            probe,
+            host.land,
+            host.probe_spec,
+            self.rows.reshape(-1),
+            self.previous.reshape(-1),
+            same,
+            missed,
+        )
+        if count < 0:
+            return None
+        if count:
+            # Not as written: digest what the page holds (as rows read back always were).
+            at = missed[:count]
+            b, s_ = blocks[at], slots[at]
+            digests = self.hash(b, s_)
+            previous = self.previous[b, s_]
+            self.rows[b, s_] = digests
+            same[at] = (digests == previous) & (previous != 0)
         return same
 
     def written(self, blocks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

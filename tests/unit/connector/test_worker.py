@@ -251,9 +251,14 @@ def _forward_step(worker: KVGuardWorker, kv: torch.Tensor, meta: KVGuardMetadata
     return out
 
 
-def test_rows_are_digested_as_written_and_equal_the_rows_read_back() -> None:
+def test_rows_are_digested_as_written_and_equal_the_rows_read_back(monkeypatch: pytest.MonkeyPatch) -> None:
     worker, kv = _rows_worker()
-    assert worker.written is not None and worker.rows is not None
+    assert worker.written is not None and worker.rows is not None and worker.rows.host is not None
+
+    def numpy_landing(*args: object) -> None:
+        raise AssertionError("the usual step keeps its rows in one compiled call")
+
+    monkeypatch.setattr(worker.rows.host, "landed", numpy_landing)
     _forward_step(worker, kv, _written(1, 2, [0, 1, 2], []), seed=1)
     assert worker.rows_as_written == 3
     # The same digests as the rows gathered back out of the page.

@@ -175,6 +175,54 @@ def test_layers_in_one_buffer_are_read_through_one_view_each_part() -> None:
     assert host.landed(b, s, host.probe_of(written)).all()
 
 
+def test_rows_kept_as_written_in_one_call_are_what_record_keeps() -> None:
+    """RowDigests.record_written (the worker's usual step: one compiled call) keeps the same
+    digests and reports the same previous-owner matches as record() given the written rows'
+    digests and probes (landing checked in numpy): a row that did not land is digested from its
+    page; rows not in the order written, or pages not on 64-bit words, are left to the caller
+    (None, tables untouched)."""
+    from vllm_kvguard.digest import rowhash
+    from vllm_kvguard.digest.rows import HostRows
+
+    _, elements = _packed_cache(9)
+    buffer = torch.randn(3, 9, 2, BS, 16)
+    layers = [buffer[i] for i in range(3)]
+    host = HostRows(layers, elements)
+    assert host.land is not None and host.probe_spec is not None
+
+    def fresh() -> RowDigests:
+        return RowDigests(layers, [PackedRows(t, host.elements) for t in layers], 9, BS, host)
+
+    rng = np.random.default_rng(3)
+    flat = rng.choice(np.arange(BS, 9 * BS), size=20, replace=False).astype(np.int64)
+    b, s = flat // BS, flat % BS
+    handed = host.gather(b, s).copy()  # what the write op was handed: here, what landed
+    # Row 5's last layer did not land: the op was handed other V values than the page holds.
+    layer_bytes = handed.shape[1] // 3
+    handed[5, 2 * layer_bytes + layer_bytes // 2] ^= 1
+    sums = rowhash._sums_numpy(handed.view(np.uint64), s)
+    probe = host.probe_of(handed)
+    fast, slow = fresh(), fresh()
+    # Rows 2 and 5 as their blocks' previous owners left them (lost writes, if they repeat).
+    for rows in (fast, slow):
+        rows.previous[b[[2, 5]], s[[2, 5]]] = rows.hash(b[[2, 5]], s[[2, 5]])
+    same = fast.record_written(b, s, flat, sums, probe)
+    expected = slow.record(b, s, rowhash.finish(sums), probe)
+    assert same is not None and same.tolist() == expected.tolist()
+    assert np.flatnonzero(same).tolist() == [2, 5]  # row 5: the page's old row, not as handed
+    assert np.array_equal(fast.rows, slow.rows)
+    assert fast.rows[b[5], s[5]] == fast.hash(b[5:6], s[5:6])[0] != rowhash.finish(sums[5:6])[0]
+    # Not in the order written: nothing kept.
+    other = fresh()
+    assert other.record_written(b, s, flat[::-1].copy(), sums, probe) is None and not other.rows.any()
+    # Pages 4 bytes past a 64-bit word: landing is checked in numpy (record's path).
+    shifted = torch.randn(buffer.numel() + 1)[1:].view(buffer.shape)
+    odd = HostRows([shifted[i] for i in range(3)], elements)
+    assert odd.probe_spec is not None and odd.land is None
+    rows = RowDigests(list(shifted), [PackedRows(t, odd.elements) for t in shifted], 9, BS, odd)
+    assert rows.record_written(b, s, flat, sums, probe) is None and not rows.rows.any()
+
+
 def test_rows_of_a_copy_of_whole_pages_are_the_rows_gathered_from_the_pool() -> None:
     """The seal's fill check reads rows out of its copy of the pages (HostRows.page_rows): the
     same bytes, in the same order, as gathering each row from the pool, through the strided
