@@ -312,8 +312,9 @@ def test_a_write_op_that_fails_under_the_guard_is_caught_by_the_landing_check(
     with engine(tiny_model, env, **PARTIAL_CHUNK) as llm:
         worker = _worker()
         assert worker.written is not None, "rows are digested as written on vLLM's CPU layout"
-        # ...and kept in one compiled call that reads the landing probes by address.
-        assert worker.rows.host.land is not None
+        # ...and kept in one compiled call that reads the landing probes by address; the seal's
+        # fill check reads the rows of its copy of the pages in place.
+        assert worker.rows.host.land is not None and worker.rows.host.copy_plan is not None
         r = _lost_write(llm, beneath_guard=True, worker=worker)
     assert r["dropped"] > 0
     # Every row of the chunk went through the written-rows path (the 16 of the unfilled page and

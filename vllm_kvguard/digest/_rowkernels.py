@@ -63,6 +63,7 @@ def _pointer_to(kind):
 
 _words_at = _pointer_to(types.uint64)
 _ints_at = _pointer_to(types.int64)
+_halves_at = _pointer_to(types.uint16)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -159,9 +160,43 @@ def keep_written(blocks, slots, flat, block_size, sums, probe, land, spec, rows,
     return missing
 
 
+@numba.njit(cache=True, nogil=True)
+def copy_sums(at, layer_bytes, page_bytes, pages, layers, block_size, layer_words, lanes, runs, sums):
+    # The sums of every row of a copy of whole pages (HostRows.copy_plan): page p of layer L
+    # starts at at + L x layer_bytes + p x page_bytes; sums[p x block_size + s] is row s's.
+    # lanes (m, 5): row word j (of a layer) made of 4 16-bit elements whose slots lie side by
+    # side (vLLM's CPU K: slot s's element at byte offset off + 2 s), the 4 offsets; the loop
+    # over slots reads them as vectors. runs (r, 4): words j0 .. j0 + count of every slot
+    # contiguous at byte offset off + s x step.
+    for p in range(pages):
+        row = p * block_size
+        for s in range(block_size):
+            sums[row + s] = _U(0)
+        for layer in range(layers):
+            page = at + layer * layer_bytes + p * page_bytes
+            first = _U(layer * layer_words)
+            for m in range(lanes.shape[0]):
+                e0 = _halves_at(page + lanes[m, 1])
+                e1 = _halves_at(page + lanes[m, 2])
+                e2 = _halves_at(page + lanes[m, 3])
+                e3 = _halves_at(page + lanes[m, 4])
+                key = (first + _U(lanes[m, 0] + 1)) * _P5
+                for s in range(block_size):
+                    w = _U(e0[s]) | (_U(e1[s]) << _U(16)) | (_U(e2[s]) << _U(32)) | (_U(e3[s]) << _U(48))
+                    a = key + _U(s) * _P3 + w * _P2
+                    a = (a << _U(31)) | (a >> _U(33))
+                    sums[row + s] += _mix(a * _P1)
+            for q in range(runs.shape[0]):
+                j0, count, off, step = runs[q, 0], runs[q, 1], runs[q, 2], runs[q, 3]
+                for s in range(block_size):
+                    key = (first + _U(j0)) * _P5 + _U(s) * _P3
+                    sums[row + s] += _terms(_words_at(page + off + s * step), count, key)
+
+
 KERNELS: dict[str, Callable[..., Any]] = {
     "digest_rows": digest_rows,
     "add_layer": add_layer,
     "finish": finish,
     "keep_written": keep_written,
+    "copy_sums": copy_sums,
 }

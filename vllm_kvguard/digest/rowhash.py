@@ -73,6 +73,9 @@ def compiled() -> dict[str, Callable[..., Any]] | None:
             probe = np.zeros((1, 1, 1), dtype=np.uint64)
             land = np.zeros((1, 1, 3), dtype=np.int64)
             kernels["keep_written"](s[:0], s[:0], s[:0], 16, out, probe, land, spec, out, out, out == 0, s)
+            # copy_sums over no pages.
+            lanes = np.zeros((0, 5), dtype=np.int64)
+            kernels["copy_sums"](0, 0, 0, 0, 1, 16, 1, lanes, spec[:0], out)
             _compiled = kernels
         except Exception as exc:  # numba missing or unusable here: numpy computes the same
             _why_not = f"{type(exc).__name__}: {exc}"

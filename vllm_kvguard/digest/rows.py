@@ -232,6 +232,7 @@ class HostRows:
         self.probe_spec = self._probe_spec(first.element_size())
         self.probe_words = int(self.probe_spec[:, 3].sum()) if self.probe_spec is not None else 0
         self.land = self._land_table(first.element_size())
+        self.copy_plan = self._copy_plan(first.element_size())
 
     @property
     def strided(self) -> bool:
@@ -335,6 +336,43 @@ class HostRows:
             for m, (_, part) in enumerate(self._runs):
                 table[layer, m] = (flat.ctypes.data + part.base * size, page, part.slot_stride * size)
         return None if (table % 8).any() else table
+
+    def _copy_plan(self, size: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """How rowhash's ``copy_sums`` reads every row of a copy of whole pages in place (the
+        seal's fill check, instead of :meth:`page_rows`' transposing copy): each 64-bit word
+        of a layer's row is either four 16-bit elements whose slots lie side by side (vLLM's
+        CPU K: ``lanes``, (m, 5) of the word and its elements' byte offsets in slot 0) or part
+        of a run of whole words, contiguous in each slot (its V: ``runs``, (r, 4) of first
+        word, words, byte offset in slot 0, bytes from a slot to the next). None where some
+        word is neither (then :meth:`page_rows` copies the rows out)."""
+        if not self.parts or 8 % size or self.width % (8 // size):
+            return None
+        per = 8 // size
+        first = self.elements[0] * size
+        step = (self.elements[1] - self.elements[0]) * size
+        lanes: list[list[int]] = []
+        runs: list[list[int]] = []
+        for j in range(self.width // per):
+            cols = slice(per * j, per * (j + 1))
+            at, by = first[cols], step[cols]
+            if size == 2 and (by == 2).all():
+                lanes.append([j, *at.tolist()])
+            elif (
+                (at == at[0] + size * np.arange(per)).all()
+                and (by == by[0]).all()
+                and not (at[0] % 8 or by[0] % 8)
+            ):
+                last = runs[-1] if runs else None
+                if last and last[0] + last[1] == j and last[3] == by[0] and last[2] + 8 * last[1] == at[0]:
+                    last[1] += 1
+                else:
+                    runs.append([j, 1, int(at[0]), int(by[0])])
+            else:
+                return None
+        return (
+            np.asarray(lanes, dtype=np.int64).reshape(-1, 5),
+            np.asarray(runs, dtype=np.int64).reshape(-1, 4),
+        )
 
     def probe_of(self, rows: np.ndarray) -> np.ndarray:
         """The probe of whole rows (rows x row_bytes, this class's order): (rows, layers,
@@ -603,10 +641,46 @@ class RowDigests:
         wanted = np.flatnonzero(expected)
         if not len(wanted):
             return wanted
-        raw = self.host.page_rows(pages)
-        # Every row hashed (the few not wanted cost less than copying out the rest).
-        got = rowhash.digest_rows(raw, self._slot_run(len(expected)))
+        # Every row hashed (the few not wanted cost less than reading out the rest).
+        got = self._copy_digests(self.host, pages)
+        if got is None:
+            raw = self.host.page_rows(pages)
+            got = rowhash.digest_rows(raw, self._slot_run(len(expected)))
         return wanted[got[wanted] != expected.reshape(-1)[wanted]]
+
+    def _copy_digests(self, host: HostRows, pages: np.ndarray) -> np.ndarray | None:
+        """Every row's digest of a copy of whole pages (layers, pages, page elements), read in
+        place by rowhash's ``copy_sums`` (:meth:`HostRows._copy_plan`); None where the plan or
+        the copy's layout does not allow it."""
+        kernels = rowhash.compiled()
+        plan = host.copy_plan
+        layers, k = pages.shape[:2]
+        if (
+            plan is None
+            or kernels is None
+            or layers != len(host.flat)
+            or pages.shape[2] * pages.itemsize != host.page_elements * host.flat[0].itemsize
+            or pages.strides[2] != pages.itemsize
+            or pages.strides[1] % 8
+            or pages.strides[0] % 8
+            or pages.ctypes.data % 8
+        ):
+            return None
+        lanes, runs = plan
+        sums = np.empty(k * self.block_size, dtype=np.uint64)
+        kernels["copy_sums"](
+            pages.ctypes.data,
+            pages.strides[0],
+            pages.strides[1],
+            k,
+            layers,
+            self.block_size,
+            host.width * host.flat[0].itemsize // 8,
+            lanes,
+            runs,
+            sums,
+        )
+        return rowhash.finish(sums)
 
     def _slot_run(self, pages: int) -> np.ndarray:
         """0, 1, .., block_size - 1, ``pages`` times: every row's slot, page after page."""

@@ -453,3 +453,41 @@ def test_written_rows_are_read_only_where_the_compiled_loop_can_read_them(case: 
     want = rowhash._sums_numpy(words.view(np.uint64), np.arange(n) * 3)
     assert np.array_equal(rows.sums[:n], want)
     assert rows.find(np.zeros(n, dtype=np.int64), np.arange(n) * 3, 16) == (None, None)
+
+
+@pytest.mark.parametrize(("heads", "head", "block_size"), [(1, 32, 16), (2, 64, 16), (4, 128, 32)])
+def test_the_fill_check_reads_vllms_cpu_pages_in_place_with_the_digests_of_the_rows_copied_out(
+    heads: int, head: int, block_size: int
+) -> None:
+    """On vLLM's CPU page layout (bf16, the instruction set this machine's vLLM picks), the
+    seal's fill check reads every row of its copy of the pages in place (rowhash's copy_sums)
+    and gets each row's digest as copying the rows out (HostRows.page_rows) does; a changed
+    element is found in its row."""
+    from vllm_kvguard.connector.worker import _cpu_isa, cpu_slot_elements
+    from vllm_kvguard.digest.pages import KVPages
+    from vllm_kvguard.digest.rows import HostRows, PackedRows, RowDigests
+
+    page_shape = (heads, block_size, 2 * head)
+    isa = _cpu_isa("model.layers.0.self_attn.attn", torch.bfloat16, block_size, head)
+    elements = cpu_slot_elements(page_shape, torch.bfloat16, block_size, isa)
+    pool = torch.randn(2, 6, *page_shape).to(torch.bfloat16)
+    layers = [pool[0], pool[1]]
+    host = HostRows(layers, elements)
+    assert host.copy_plan is not None, isa
+    rows = RowDigests(layers, [PackedRows(t, host.elements) for t in layers], 6, block_size, host)
+    pages = KVPages({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(layers)})
+    ids = [4, 1, 2]
+    b, s = np.repeat(ids, block_size), np.tile(np.arange(block_size), len(ids))
+
+    def copy() -> np.ndarray:
+        copies: list[np.ndarray] = []
+        pages.seal_in_copy(ids, check_finite=False, visit=lambda lo, c: copies.append(c.copy()))
+        return copies[0]
+
+    first = copy()
+    got = rows._copy_digests(host, first)
+    assert got is not None and np.array_equal(got, rowhash.digest_rows(host.page_rows(first), s))
+    assert np.array_equal(got, rows.hash(b, s))
+    rows.record(b, s)
+    layers[1][1].view(-1)[int(host.elements[5][2])] += 1.0  # a K element of row (1, 5), layer 1
+    assert rows.check_copy(copy(), rows.rows[ids]).tolist() == [block_size + 5]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_kvguard.digest.rows import (
@@ -223,16 +224,20 @@ def test_rows_kept_as_written_in_one_call_are_what_record_keeps() -> None:
     assert rows.record_written(b, s, flat, sums, probe) is None and not rows.rows.any()
 
 
-def test_rows_of_a_copy_of_whole_pages_are_the_rows_gathered_from_the_pool() -> None:
-    """The seal's fill check reads rows out of its copy of the pages (HostRows.page_rows): the
-    same bytes, in the same order, as gathering each row from the pool, through the strided
-    views and through the element map; check_copy finds exactly the rows changed after they
-    were recorded and ignores rows not asked for."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_a_copy_of_whole_pages_are_the_rows_gathered_from_the_pool(dtype: torch.dtype) -> None:
+    """The seal's fill check reads rows out of its copy of the pages: in 16-bit pages whose K
+    has slots side by side, in place (HostRows.copy_plan, rowhash's copy_sums), else through
+    HostRows.page_rows (the same bytes, in the same order, as gathering each row from the
+    pool, through the strided views and through the element map); both give every row's
+    digest; check_copy finds exactly the rows changed after they were recorded and ignores
+    rows not asked for."""
+    from vllm_kvguard.digest import rowhash
     from vllm_kvguard.digest.pages import KVPages
     from vllm_kvguard.digest.rows import HostRows
 
     _, elements = _packed_cache(9)
-    buffer = torch.randn(3, 9, 2, BS, 16)
+    buffer = torch.randn(3, 9, 2, BS, 16).to(dtype)
     layers = [buffer[i] for i in range(3)]
     host = HostRows(layers, elements)
     by_map = HostRows(layers, host.elements)
@@ -246,6 +251,15 @@ def test_rows_of_a_copy_of_whole_pages_are_the_rows_gathered_from_the_pool() -> 
     assert np.array_equal(host.page_rows(copy), host.gather(b, s))
     assert np.array_equal(by_map.page_rows(copy), host.gather(b, s))
     rows = RowDigests(layers, [PackedRows(t, host.elements) for t in layers], 9, BS, host)
+    in_place = rows._copy_digests(host, copy)
+    if dtype == torch.bfloat16:
+        lanes, runs = host.copy_plan  # type: ignore[misc]
+        # K: 2 heads x 8 elements a slot, 4 to a word, slots side by side; V: one run a head.
+        assert (len(lanes), runs[:, :2].tolist()) == (4, [[4, 2], [6, 2]])
+        assert in_place is not None
+        assert np.array_equal(in_place, rowhash.digest_rows(host.page_rows(copy), s))
+    else:  # 32-bit K elements a slot apart: no 64-bit word of a row lies in one place
+        assert host.copy_plan is None and in_place is None
     rows.record(b[:-1], s[:-1])  # every row but the last page's last
     expected = rows.rows[ids]
     assert rows.check_copy(copy, expected).tolist() == []
