@@ -9,11 +9,15 @@ parts after it find the copy in cache, as in the seal), medians, µs:
 
 - ``copy out of the pool``: ``np.take`` of the chunk's pages, every layer;
 - ``rows of the copy``: ``HostRows.page_rows``, the transposing copy of every row (K is stored
-  transposed on vLLM's CPU layout: this is the fill check's gather);
+  transposed on vLLM's CPU layout: the fill check's gather until 2026-12-05, kept where a
+  layout has no in-place plan);
 - ``row digests``: rowhash's KVG64 of every row of that;
+- ``rows in place``: the fill check's digests now, every row read in place in the copy
+  (``RowDigests._copy_digests``: rowhash's ``copy_sums`` and ``finish``);
 - ``page digests``: XXH3 of each page of the copy;
-- ``syndromes``: their two passes and ``finish``;
-- ``NaN/Inf test``: the exponent test on the copy's element lanes;
+- ``syndromes``: numpy's two passes and ``finish`` (the path without numba);
+- ``NaN/Inf test``: numpy's exponent test on the copy's element lanes (the same);
+- ``syndromes + NaN/Inf``: both now, rowhash's ``page_facts`` (one pass a page) and ``finish``;
 - ``whole seal``: ``KVPages.seal_in_copy`` with the fill check, as the worker calls it.
 """
 
@@ -38,6 +42,7 @@ def main() -> None:
 
     from vllm_kvguard.connector.worker import cpu_slot_elements
     from vllm_kvguard.digest import rowhash
+    from vllm_kvguard.digest.dtypes import EXPONENT_TESTS
     from vllm_kvguard.digest.pages import KVPages
     from vllm_kvguard.digest.rows import HostRows, PackedRows, RowDigests
     from vllm_kvguard.digest.syndrome import finish, parities
@@ -72,7 +77,9 @@ def main() -> None:
         rows.record(np.repeat(ids, bs - 1), np.tile(np.arange(bs - 1), k))
         timed("copy out of the pool", lambda: np.take(view, ids, axis=1, out=copy, mode="clip"), cold=True)
         raw = timed("rows of the copy", lambda: host.page_rows(copy))
-        timed("row digests", lambda: rowhash.digest_rows(raw, slots))  # type: ignore[arg-type]
+        want = timed("row digests", lambda: rowhash.digest_rows(raw, slots))  # type: ignore[arg-type]
+        got = timed("rows in place", lambda: rows._copy_digests(host, copy))
+        assert np.array_equal(got, want)  # type: ignore[arg-type]
         words = copy.reshape(layers * k, -1)
         timed("page digests", lambda: [pages._hash(w) for w in words.view(np.uint8)])
         timed("syndromes", lambda: finish(*parities(words.view(np.uint8))))
@@ -83,6 +90,14 @@ def main() -> None:
             return lanes.max(axis=1) >= test[1]
 
         timed("NaN/Inf test", nonfinite)
+        word_test = EXPONENT_TESTS[dtype][:3]
+
+        def one_pass() -> object:
+            facts = rowhash.page_facts(words, word_test)
+            assert facts is not None
+            return finish(facts[0], facts[1])
+
+        timed("syndromes + NaN/Inf", one_pass)
         earlier = rows.rows[ids]
         timed(
             "whole seal",

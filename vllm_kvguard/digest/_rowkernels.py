@@ -193,10 +193,37 @@ def copy_sums(at, layer_bytes, page_bytes, pages, layers, block_size, layer_word
                     sums[row + s] += _terms(_words_at(page + off + s * step), count, key)
 
 
+@numba.njit(cache=True, nogil=True)
+def page_facts(words, mask, low, sign, check, cols, rows, flags):
+    # One pass over each page (a row of ``words``, its 64-bit words) for what syndrome.finish
+    # and the NaN/Inf test need: cols[p, c] the XOR of the page's words c, c + 64, ..;
+    # rows[p, r] the XOR of its words 64 r .. 64 r + 63 (syndrome.parities); with ``check``,
+    # flags[p] whether some element lane has every exponent bit set (NaN or Inf): the word
+    # test of dtypes.EXPONENT_TESTS, ((w & mask) + low) & sign, on the same words.
+    count = words.shape[1]
+    for p in range(words.shape[0]):
+        page = words[p]
+        col = cols[p]
+        for c in range(64):
+            col[c] = _U(0)
+        bad = _U(0)
+        for r in range(rows.shape[1]):
+            lo = 64 * r
+            acc = _U(0)
+            for c in range(min(64, count - lo)):
+                w = page[lo + c]
+                col[c] ^= w
+                acc ^= w
+                bad |= ((w & mask) + low) & sign
+            rows[p, r] = acc
+        flags[p] = check and bad != _U(0)
+
+
 KERNELS: dict[str, Callable[..., Any]] = {
     "digest_rows": digest_rows,
     "add_layer": add_layer,
     "finish": finish,
     "keep_written": keep_written,
     "copy_sums": copy_sums,
+    "page_facts": page_facts,
 }

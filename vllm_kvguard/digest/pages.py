@@ -20,6 +20,7 @@ import torch
 import xxhash
 
 from vllm_kvguard.config import HashAlgorithm
+from vllm_kvguard.digest import rowhash
 from vllm_kvguard.digest.dtypes import EXPONENT_TESTS, nonfinite_rows
 from vllm_kvguard.digest.kernel import PageGeometry, kernel_available, kvg64_pages, kvg64_reference
 from vllm_kvguard.digest.syndrome import finish, parities, syndromes_device
@@ -146,6 +147,13 @@ class KVPages:
         self.geometry = self._one_geometry() if use_kernel else None
         self._host_pages = self._host_pool()
         self._scratch: np.ndarray | None = None
+        self._word_test: tuple[int, int, int] | None = None
+        if self._host_pages is not None:
+            # The seal's one-pass kernel for this lane type, compiled (or loaded) now, not in
+            # the first step that seals.
+            views, test = self._host_pages
+            self._word_test = EXPONENT_TESTS[self.tensors[0].dtype][:3] if test is not None else None
+            rowhash.page_facts(np.zeros((0, 8), dtype=views[0].dtype), self._word_test)
 
     def _host_pool(self) -> tuple[list[np.ndarray], tuple[int, int] | None] | None:
         """Every layer's pages as numpy element lanes, for :meth:`seal_facts` on the host:
@@ -370,6 +378,21 @@ class KVPages:
                 h = self._hash
                 got = np.fromiter(map(h, words.view(np.uint8)), dtype=np.uint64, count=layers * k)
                 digests[lo : lo + k] = got.reshape(layers, k).T
+            check = check_finite and test is not None
+            facts = (
+                rowhash.page_facts(words, self._word_test if check else None)
+                if with_syndromes or check
+                else None
+            )
+            if facts is not None:
+                # One compiled pass a page for both (numpy's: three passes over the copy).
+                cols, rows, bad = facts
+                if with_syndromes:
+                    done = finish(cols, rows)[:, : self.syndrome_words]
+                    syn[lo : lo + k] = done.reshape(layers, k, -1).swapaxes(0, 1)
+                if check:
+                    flags[lo : lo + k] = bad.reshape(layers, k).T
+                continue
             if with_syndromes:
                 done = finish(*parities(words.view(np.uint8)))[:, : self.syndrome_words]
                 syn[lo : lo + k] = done.reshape(layers, k, -1).swapaxes(0, 1)

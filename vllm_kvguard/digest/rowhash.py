@@ -108,3 +108,30 @@ def finish(sums: np.ndarray) -> np.ndarray:
     out = np.empty(len(sums), dtype=np.uint64)
     kernels["finish"](sums, out)
     return out
+
+
+def page_facts(
+    lanes: np.ndarray, test: tuple[int, int, int] | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """For pages given as element lanes (pages, elements; C-contiguous, whole 64-bit words a
+    page), in one compiled pass each: the column and row parities :func:`syndrome.finish` takes
+    (:func:`syndrome.parities`' two numpy passes) and, with ``test`` (the exponent mask, lowest
+    exponent bit and sign bit of every lane of a word: ``dtypes.EXPONENT_TESTS``), whether
+    each page holds a NaN or Inf. None without numba, or for pages not laid out so (the numpy
+    passes then)."""
+    kernels = compiled()
+    if kernels is None or lanes.ndim != 2 or (lanes.shape[1] * lanes.itemsize) % 8:
+        return None
+    if not lanes.flags.c_contiguous:
+        return None
+    words = lanes.view(np.uint64)
+    n = len(lanes)
+    cols = np.empty((n, 64), dtype=np.uint64)
+    rows = np.empty((n, max(1, -(-words.shape[1] // 64))), dtype=np.uint64)
+    flags = np.empty(n, dtype=bool)
+    mask, low, sign = (np.uint64(x & _WORD) for x in (test if test is not None else (0, 0, 0)))
+    kernels["page_facts"](words, mask, low, sign, test is not None, cols, rows, flags)
+    return cols, rows, flags
+
+
+_WORD = (1 << 64) - 1

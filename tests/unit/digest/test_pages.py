@@ -133,14 +133,21 @@ def test_nonfinite_finds_exactly_the_pages_with_nan_or_inf(dtype: torch.dtype, b
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float64])
 @pytest.mark.parametrize("one_buffer", [True, False])
 @pytest.mark.parametrize("scratch", [KVPages.SCRATCH_BYTES, 1, 3 * 256])
+@pytest.mark.parametrize("compiled", [True, False])
 def test_seal_facts_on_host_pages_equal_the_per_layer_path(
-    dtype: torch.dtype, one_buffer: bool, scratch: int
+    dtype: torch.dtype, one_buffer: bool, scratch: int, compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The host pages' numpy path (every layer at once, one view where the layers share a
-    buffer as vLLM allocates them; through a kept scratch buffer of whole blocks, here also 1
-    and 2 blocks at a time) finds the same NaN/Inf pages and syndromes as the per-layer torch
+    """The host pages' path (every layer at once, one view where the layers share a buffer as
+    vLLM allocates them; through a kept scratch buffer of whole blocks, here also 1 and 2
+    blocks at a time; the parities and the NaN/Inf test in one compiled pass a page, or, without
+    numba, numpy's passes) finds the same NaN/Inf pages and syndromes as the per-layer torch
     path, twice in a row (the scratch reused); float64, which the exponent test does not cover,
     takes the torch path."""
+    from vllm_kvguard.digest import rowhash
+
+    if not compiled:
+        monkeypatch.setattr(rowhash, "_compiled", None)
+        monkeypatch.setattr(rowhash, "_why_not", "ImportError: No module named 'numba'")
     buffer = (torch.randn(3, 12, 2, 4, 16) * 100).to(dtype)
     layers = {f"l{i}": buffer[i] if one_buffer else buffer[i].clone() for i in range(3)}
     pages = KVPages(layers)

@@ -118,3 +118,40 @@ def test_device_syndromes_are_the_host_ones_bit_for_bit() -> None:
         syndromes(bf16.reshape(4, -1).view(torch.uint8).numpy())[:, :kept]
         == syndromes_device(bf16, kept).numpy().view(np.uint64)
     ).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8])
+@pytest.mark.parametrize("words", [1, 63, 64, 65, 200, 8192])
+def test_the_one_pass_kernel_gives_the_parities_and_the_nan_test_of_numpy(
+    dtype: torch.dtype, words: int
+) -> None:
+    """rowhash.page_facts (the host seal's one compiled pass a page) gives syndrome.parities'
+    column and row parities (pages of one word to many 64-word rows, a partial last row) and
+    flags exactly the pages holding a NaN or Inf, as the element test in numpy does."""
+    from vllm_kvguard.digest import rowhash
+    from vllm_kvguard.digest.dtypes import EXPONENT_TESTS
+    from vllm_kvguard.digest.syndrome import finish, parities
+
+    elements = words * 8 // torch.empty(0, dtype=dtype).element_size()
+    pages = torch.stack([_page(dtype, (elements,), seed) for seed in range(5)])
+    if dtype.is_floating_point:
+        pages[1, -1] = float("nan")
+        pages[3, 0] = float("-inf")
+        pages[4] = torch.finfo(dtype).max
+    lanes = pages.view(getattr(torch, f"int{8 * pages.element_size()}")).numpy()
+    test = EXPONENT_TESTS[dtype][:3] if dtype.is_floating_point else None
+    facts = rowhash.page_facts(lanes, test)
+    assert facts is not None
+    cols, rows, flags = facts
+    want_cols, want_rows = parities(lanes.view(np.uint8))
+    assert np.array_equal(cols, want_cols) and np.array_equal(rows, want_rows)
+    assert np.array_equal(finish(cols, rows), syndromes(lanes.view(np.uint8)))
+    want = (
+        ~torch.isfinite(pages.float()).all(dim=1)
+        if dtype.is_floating_point
+        else torch.zeros(5, dtype=torch.bool)
+    )
+    assert flags.tolist() == want.tolist()
+    # Pages that are not whole 64-bit words, or not contiguous: numpy's passes (None).
+    assert rowhash.page_facts(lanes[:, 1:], test) is None
+    assert rowhash.page_facts(lanes[:, ::2], test) is None
