@@ -194,20 +194,25 @@ def copy_sums(at, layer_bytes, page_bytes, pages, layers, block_size, layer_word
 
 
 @numba.njit(cache=True, nogil=True)
-def page_facts(words, mask, low, sign, check, cols, rows, flags):
-    # One pass over each page (a row of ``words``, its 64-bit words) for what syndrome.finish
-    # and the NaN/Inf test need: cols[p, c] the XOR of the page's words c, c + 64, ..;
-    # rows[p, r] the XOR of its words 64 r .. 64 r + 63 (syndrome.parities); with ``check``,
-    # flags[p] whether some element lane has every exponent bit set (NaN or Inf): the word
-    # test of dtypes.EXPONENT_TESTS, ((w & mask) + low) & sign, on the same words.
+def page_facts(words, mask, low, sign, check, cols, syn, flags):
+    # One pass over each page (a row of ``words``, its 64-bit words) for its syndrome and the
+    # NaN/Inf test: cols[p, c] the XOR of the page's words c, c + 64, .. (scratch); syn[p] as
+    # syndrome.finish(*syndrome.parities(page)) gives it: [0] the XOR of every word, [1 + b]
+    # (b < 6) of the columns c with bit b set, [7 + b] of the 64-word rows r with bit b set;
+    # with ``check``, flags[p] whether some element lane has every exponent bit set (NaN or
+    # Inf): the word test of dtypes.EXPONENT_TESTS, ((w & mask) + low) & sign, on the same words.
     count = words.shape[1]
+    width = syn.shape[1]
     for p in range(words.shape[0]):
         page = words[p]
         col = cols[p]
+        out = syn[p]
         for c in range(64):
             col[c] = _U(0)
+        for i in range(width):
+            out[i] = _U(0)
         bad = _U(0)
-        for r in range(rows.shape[1]):
+        for r in range((count + 63) // 64):
             lo = 64 * r
             acc = _U(0)
             for c in range(min(64, count - lo)):
@@ -215,7 +220,16 @@ def page_facts(words, mask, low, sign, check, cols, rows, flags):
                 col[c] ^= w
                 acc ^= w
                 bad |= ((w & mask) + low) & sign
-            rows[p, r] = acc
+            b = 0
+            while r >> b:
+                if (r >> b) & 1:
+                    out[7 + b] ^= acc
+                b += 1
+        for c in range(64):
+            out[0] ^= col[c]
+            for b in range(6):
+                if (c >> b) & 1:
+                    out[1 + b] ^= col[c]
         flags[p] = check and bad != _U(0)
 
 

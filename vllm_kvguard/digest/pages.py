@@ -386,10 +386,9 @@ class KVPages:
             )
             if facts is not None:
                 # One compiled pass a page for both (numpy's: three passes over the copy).
-                cols, rows, bad = facts
+                done, bad = facts
                 if with_syndromes:
-                    done = finish(cols, rows)[:, : self.syndrome_words]
-                    syn[lo : lo + k] = done.reshape(layers, k, -1).swapaxes(0, 1)
+                    syn[lo : lo + k] = done[:, : self.syndrome_words].reshape(layers, k, -1).swapaxes(0, 1)
                 if check:
                     flags[lo : lo + k] = bad.reshape(layers, k).T
                 continue

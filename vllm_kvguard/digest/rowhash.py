@@ -9,6 +9,13 @@ into digests after the forward. XXH3, which hashed host rows before (2026-12-05)
 bytes in one buffer: the wrapper copied every row of every layer into one (1 MiB a step at 128
 running requests, into memory the forward had pushed out of the caches: ~95 us a layer).
 
+The other host loops of the step live beside them, compiled the same way: after the forward the
+worker keeps the step's rows in one call (``keep_written``: written order, landing probes read
+in the pool by address, the tables' update, the previous owner's comparison); the seal's fill
+check sums every row of its copy of the pages in place (``copy_sums``); the seal's syndrome
+parities and NaN/Inf test are one pass a page (:func:`page_facts`). Each has a numpy (or
+read-back) path where numba, or the layout, does not allow it.
+
 Compiled with numba (a dependency of vLLM) on first use, cached on disk (``cache=True``): about
 a second once per machine, then a load. Where numba cannot be imported, the same digests are
 computed with numpy (:func:`digest_rows` only; the wrapper is then not used: rows are read back
@@ -23,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from vllm_kvguard.digest.kernel import P1, P2, P3, P5, _avalanche
+from vllm_kvguard.digest.syndrome import SYNDROME_WORDS
 
 _compiled: dict[str, Callable[..., Any]] | None = None
 _why_not = ""
@@ -110,28 +118,29 @@ def finish(sums: np.ndarray) -> np.ndarray:
     return out
 
 
-def page_facts(
-    lanes: np.ndarray, test: tuple[int, int, int] | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """For pages given as element lanes (pages, elements; C-contiguous, whole 64-bit words a
-    page), in one compiled pass each: the column and row parities :func:`syndrome.finish` takes
-    (:func:`syndrome.parities`' two numpy passes) and, with ``test`` (the exponent mask, lowest
-    exponent bit and sign bit of every lane of a word: ``dtypes.EXPONENT_TESTS``), whether
-    each page holds a NaN or Inf. None without numba, or for pages not laid out so (the numpy
-    passes then)."""
+def page_facts(lanes: np.ndarray, test: tuple[int, int, int] | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(syndromes, NaN/Inf flags) of pages given as element lanes (pages, elements;
+    C-contiguous, whole 64-bit words a page), in one compiled pass each: the syndromes as
+    ``syndrome.syndromes`` gives them ((pages, SYNDROME_WORDS) uint64: numpy's two passes and
+    ``finish``) and, with ``test`` (the exponent mask, lowest exponent bit and sign bit of every
+    lane of a word: ``dtypes.EXPONENT_TESTS``), whether each page holds a NaN or Inf (all False
+    without). None without numba, or for pages not laid out so (numpy's passes then)."""
     kernels = compiled()
     if kernels is None or lanes.ndim != 2 or (lanes.shape[1] * lanes.itemsize) % 8:
         return None
     if not lanes.flags.c_contiguous:
         return None
     words = lanes.view(np.uint64)
+    rows = -(-words.shape[1] // 64)
+    if (rows - 1).bit_length() > SYNDROME_WORDS - 7:
+        return None  # a page larger than syndromes address: numpy's passes raise
     n = len(lanes)
     cols = np.empty((n, 64), dtype=np.uint64)
-    rows = np.empty((n, max(1, -(-words.shape[1] // 64))), dtype=np.uint64)
+    syn = np.empty((n, SYNDROME_WORDS), dtype=np.uint64)
     flags = np.empty(n, dtype=bool)
     mask, low, sign = (np.uint64(x & _WORD) for x in (test if test is not None else (0, 0, 0)))
-    kernels["page_facts"](words, mask, low, sign, test is not None, cols, rows, flags)
-    return cols, rows, flags
+    kernels["page_facts"](words, mask, low, sign, test is not None, cols, syn, flags)
+    return syn, flags
 
 
 _WORD = (1 << 64) - 1

@@ -15,7 +15,8 @@ A change to several words gives some ``S_b ^ S_b'`` that is neither 0 nor ``D`` 
 a consistent but wrong answer, or ``D = 0`` (changes that cancel): callers confirm every
 location against the page's digest before believing it (:func:`locate` only proposes).
 
-Computed with two vectorised passes over the page (numpy, straight over the gathered pages):
+Computed with two vectorised passes over the page (numpy, straight over the gathered pages; the
+host seal takes the same parities in one compiled pass, rowhash.page_facts):
 the page as a (rows x 64) array of words, XOR-reduced down the columns and along the rows;
 the low 6 address bits come from the 64 column parities, the others from the row parities.
 """

@@ -125,12 +125,11 @@ def test_device_syndromes_are_the_host_ones_bit_for_bit() -> None:
 def test_the_one_pass_kernel_gives_the_parities_and_the_nan_test_of_numpy(
     dtype: torch.dtype, words: int
 ) -> None:
-    """rowhash.page_facts (the host seal's one compiled pass a page) gives syndrome.parities'
-    column and row parities (pages of one word to many 64-word rows, a partial last row) and
-    flags exactly the pages holding a NaN or Inf, as the element test in numpy does."""
+    """rowhash.page_facts (the host seal's one compiled pass a page) gives the syndromes of
+    numpy's two passes and finish (pages of one word to many 64-word rows, a partial last row)
+    and flags exactly the pages holding a NaN or Inf, as the element test in numpy does."""
     from vllm_kvguard.digest import rowhash
     from vllm_kvguard.digest.dtypes import EXPONENT_TESTS
-    from vllm_kvguard.digest.syndrome import finish, parities
 
     elements = words * 8 // torch.empty(0, dtype=dtype).element_size()
     pages = torch.stack([_page(dtype, (elements,), seed) for seed in range(5)])
@@ -142,10 +141,8 @@ def test_the_one_pass_kernel_gives_the_parities_and_the_nan_test_of_numpy(
     test = EXPONENT_TESTS[dtype][:3] if dtype.is_floating_point else None
     facts = rowhash.page_facts(lanes, test)
     assert facts is not None
-    cols, rows, flags = facts
-    want_cols, want_rows = parities(lanes.view(np.uint8))
-    assert np.array_equal(cols, want_cols) and np.array_equal(rows, want_rows)
-    assert np.array_equal(finish(cols, rows), syndromes(lanes.view(np.uint8)))
+    syn, flags = facts
+    assert np.array_equal(syn, syndromes(lanes.view(np.uint8))) and syn.any()
     want = (
         ~torch.isfinite(pages.float()).all(dim=1)
         if dtype.is_floating_point
