@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numba
+import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
@@ -194,18 +195,18 @@ def copy_sums(at, layer_bytes, page_bytes, pages, layers, block_size, layer_word
 
 
 @numba.njit(cache=True, nogil=True)
-def page_facts(words, mask, low, sign, check, cols, syn, flags):
+def page_facts(words, mask, low, sign, check, syn, flags):
     # One pass over each page (a row of ``words``, its 64-bit words) for its syndrome and the
-    # NaN/Inf test: cols[p, c] the XOR of the page's words c, c + 64, .. (scratch); syn[p] as
+    # NaN/Inf test: col[c] the XOR of the page's words c, c + 64, ..; syn[p] as
     # syndrome.finish(*syndrome.parities(page)) gives it: [0] the XOR of every word, [1 + b]
     # (b < 6) of the columns c with bit b set, [7 + b] of the 64-word rows r with bit b set;
     # with ``check``, flags[p] whether some element lane has every exponent bit set (NaN or
     # Inf): the word test of dtypes.EXPONENT_TESTS, ((w & mask) + low) & sign, on the same words.
     count = words.shape[1]
     width = syn.shape[1]
+    col = np.empty(64, dtype=np.uint64)
     for p in range(words.shape[0]):
         page = words[p]
-        col = cols[p]
         out = syn[p]
         for c in range(64):
             col[c] = _U(0)

@@ -149,11 +149,10 @@ class KVPages:
         self._scratch: np.ndarray | None = None
         self._word_test: tuple[int, int, int] | None = None
         if self._host_pages is not None:
-            # The seal's one-pass kernel for this lane type, compiled (or loaded) now, not in
-            # the first step that seals.
-            views, test = self._host_pages
-            self._word_test = EXPONENT_TESTS[self.tensors[0].dtype][:3] if test is not None else None
-            rowhash.page_facts(np.zeros((0, 8), dtype=views[0].dtype), self._word_test)
+            if self._host_pages[1] is not None:
+                self._word_test = EXPONENT_TESTS[self.tensors[0].dtype][:3]
+            # The seal's one-pass kernel compiled (or loaded) now, not in the first step that seals.
+            rowhash.compiled()
 
     def _host_pool(self) -> tuple[list[np.ndarray], tuple[int, int] | None] | None:
         """Every layer's pages as numpy element lanes, for :meth:`seal_facts` on the host:
@@ -395,7 +394,8 @@ class KVPages:
             if with_syndromes:
                 done = finish(*parities(words.view(np.uint8)))[:, : self.syndrome_words]
                 syn[lo : lo + k] = done.reshape(layers, k, -1).swapaxes(0, 1)
-            if check_finite and test is not None:
+            if check:
+                assert test is not None
                 magnitude, exponent = test
                 # In place (the copy is not needed after this): with the sign bit cleared, a NaN
                 # or Inf lane is one at or above the exponent mask.

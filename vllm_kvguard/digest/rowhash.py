@@ -84,6 +84,11 @@ def compiled() -> dict[str, Callable[..., Any]] | None:
             # copy_sums over no pages.
             lanes = np.zeros((0, 5), dtype=np.int64)
             kernels["copy_sums"](0, 0, 0, 0, 1, 16, 1, lanes, spec[:0], out)
+            # page_facts over no pages (its words are uint64 whatever the pages' dtype).
+            zero = np.uint64(0)
+            kernels["page_facts"](
+                w[:0], zero, zero, zero, False, np.zeros((0, SYNDROME_WORDS), np.uint64), out == 0
+            )
             _compiled = kernels
         except Exception as exc:  # numba missing or unusable here: numpy computes the same
             _why_not = f"{type(exc).__name__}: {exc}"
@@ -135,11 +140,10 @@ def page_facts(lanes: np.ndarray, test: tuple[int, int, int] | None) -> tuple[np
     if (rows - 1).bit_length() > SYNDROME_WORDS - 7:
         return None  # a page larger than syndromes address: numpy's passes raise
     n = len(lanes)
-    cols = np.empty((n, 64), dtype=np.uint64)
     syn = np.empty((n, SYNDROME_WORDS), dtype=np.uint64)
     flags = np.empty(n, dtype=bool)
     mask, low, sign = (np.uint64(x & _WORD) for x in (test if test is not None else (0, 0, 0)))
-    kernels["page_facts"](words, mask, low, sign, test is not None, cols, syn, flags)
+    kernels["page_facts"](words, mask, low, sign, test is not None, syn, flags)
     return syn, flags
 
 

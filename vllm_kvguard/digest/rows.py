@@ -614,11 +614,7 @@ class RowDigests:
         if count:
             # Not as written: digest what the page holds (as rows read back always were).
             at = missed[:count]
-            b, s_ = blocks[at], slots[at]
-            digests = self.hash(b, s_)
-            previous = self.previous[b, s_]
-            self.rows[b, s_] = digests
-            same[at] = (digests == previous) & (previous != 0)
+            same[at] = self.record(blocks[at], slots[at])
         return same
 
     def written(self, blocks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
