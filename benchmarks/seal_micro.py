@@ -1,4 +1,4 @@
-"""What sealing host pages costs, the two ways the guard can do it, side by side.
+"""What sealing host pages costs, the three ways the guard can do it, side by side.
 
     python benchmarks/seal_micro.py [--pages 1,2,4,8,16,32,128] [--repeats 21]
                                     [--layers 4] [--kv-heads 8] [--head-size 64]
@@ -8,14 +8,19 @@ write op), pages whose first 15 rows were recorded in an earlier step, one page 
 request, the CPU caches flushed before each call (as a forward leaves them); medians, µs per seal
 step:
 
-- ``pool``: the seal before 2026-12-05, and still the path where pages are not host pages of one
-  shape: the fill check gathers the earlier rows out of the pool (``RowDigests.check``), then
-  ``KVPages.seal_facts`` copies the pages for their syndromes and NaN/Inf test, then
+- ``gather``: the seal before 2026-12-05, and still the path where pages are not host pages of
+  one shape: the fill check gathers the earlier rows out of the pool (``RowDigests.check``), then
+  ``KVPages.seal_facts`` reads the pages for their syndromes and NaN/Inf test, then
   ``KVPages.digest`` hashes them in the pool again;
-- ``copy``: ``KVPages.seal_in_copy``: one copy of the pages, the fill check on the rows transposed
-  out of it (``RowDigests.check_copy``), the digests hashed from it.
+- ``copy``: ``KVPages.seal_host_pages(copy=True)``: one copy of the pages, the digests hashed
+  from it, the fill check on its rows (``RowDigests.check_copy``), the syndromes and NaN/Inf test
+  over it (the seal from 2026-12-05 until the in-place seal; still the path where the pages
+  cannot be read by address);
+- ``in place``: ``KVPages.seal_host_pages``: the pages read where they lie in the pool, a 4 MiB
+  chunk at a time: hashed, then the fill check (``RowDigests.check_pages``), then the syndromes
+  and NaN/Inf test, the last two from the CPU's cache.
 
-The two calls alternate (which goes first flips every repeat), on fresh pages each repeat. Torch is
+The calls rotate (which goes first changes every repeat), on fresh pages each repeat. Torch is
 held to one thread, as vLLM's CPU worker leaves it.
 """
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -50,47 +56,60 @@ def main() -> None:
     elements = cpu_slot_elements((a.kv_heads, bs, 2 * a.head_size), dtype, bs, isa)
     pool = torch.randn(a.layers, a.blocks, a.kv_heads, bs, 2 * a.head_size).to(dtype)
     pages = KVPages({f"layer{i}": pool[i] for i in range(a.layers)})
-    assert pages.seals_in_copy
+    assert pages.seals_host_pages
     host = HostRows(pages.tensors, elements)
     gathers = [PackedRows(t, host.elements) for t in pages.tensors]
     rows = RowDigests(pages.tensors, gathers, a.blocks, bs, host)
     flush = np.ones(64 << 20, dtype=np.uint8)  # larger than the last-level cache
     rng = np.random.default_rng(0)
 
-    def by_pool(seal: list[int]) -> None:
+    def by_gather(seal: list[int]) -> None:
         blocks, slots = rows.written(seal)
         assert not len(rows.check(blocks, slots))
         pages.seal_facts(seal, check_finite=True)
         pages.digest(seal)
 
-    def by_copy(seal: list[int]) -> None:
-        earlier = rows.rows[np.asarray(seal, dtype=np.int64)]
-        bad: list[np.ndarray] = []
-        pages.seal_in_copy(
-            seal,
-            check_finite=True,
-            visit=lambda lo, copy: bad.append(rows.check_copy(copy, earlier[lo : lo + copy.shape[1]])),
-        )
-        assert not any(len(b) for b in bad)
+    def sealer(copy: bool) -> Callable[[list[int]], None]:
+        def seal_host_pages(seal: list[int]) -> None:
+            earlier = rows.rows[np.asarray(seal, dtype=np.int64)]
+            bad: list[np.ndarray] = []
 
+            def fill_check(lo: int, ids: np.ndarray, pages_copy: np.ndarray | None) -> None:
+                expected = earlier[lo : lo + len(ids)]
+                if pages_copy is None:
+                    bad.append(rows.check_pages(ids, expected))
+                else:
+                    bad.append(rows.check_copy(pages_copy, expected))
+
+            pages.seal_host_pages(seal, check_finite=True, visit=fill_check, copy=copy)
+            assert not any(len(b) for b in bad)
+
+        return seal_host_pages
+
+    assert pages.reads_in_place
+    ways: list[tuple[str, Callable[[list[int]], None]]] = [
+        ("gather", by_gather),
+        ("copy", sealer(True)),
+        ("in place", sealer(False)),
+    ]
     print(
         f"{a.layers} layers x {a.kv_heads} KV heads x {a.head_size}, block {bs}, bf16 ({isa}): "
         f"{pages.bytes_per_block >> 10} KiB a block; us per seal step, medians of {a.repeats}"
     )
-    print(f"{'pages':>6} {'pool':>9} {'copy':>9} {'pool/copy':>10}")
+    print(f"{'pages':>6} {'gather':>9} {'copy':>9} {'in place':>9} {'copy/in place':>14}")
     for k in (int(x) for x in a.pages.split(",")):
-        times: dict[str, list[float]] = {"pool": [], "copy": []}
+        times: dict[str, list[float]] = {name: [] for name, _ in ways}
         for rep in range(a.repeats):
             seal = np.sort(rng.choice(a.blocks, k, replace=False))
             rows.record(np.repeat(seal, bs - 1), np.tile(np.arange(bs - 1), k))
-            order = [("pool", by_pool), ("copy", by_copy)]
-            for name, fn in order if rep % 2 else order[::-1]:
+            turn = rep % len(ways)
+            for name, fn in ways[turn:] + ways[:turn]:
                 flush += 1
                 start = time.perf_counter()
                 fn(seal.tolist())
                 times[name].append(time.perf_counter() - start)
-        p, c = (statistics.median(times[n]) * 1e6 for n in ("pool", "copy"))
-        print(f"{k:>6} {p:>9.0f} {c:>9.0f} {p / c:>10.2f}")
+        g, c, i = (statistics.median(times[n]) * 1e6 for n, _ in ways)
+        print(f"{k:>6} {g:>9.0f} {c:>9.0f} {i:>9.0f} {c / i:>14.2f}")
 
 
 if __name__ == "__main__":

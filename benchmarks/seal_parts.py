@@ -2,7 +2,7 @@
 
     python benchmarks/seal_parts.py [--blocks-per-chunk 32] [--repeats 15]
 
-The seal of pages on the host (``KVPages.seal_in_copy``) works a chunk at a time (4 MiB: 32
+The seal of pages on the host (``KVPages.seal_host_pages``) works a chunk at a time (4 MiB: 32
 blocks of the bench's model, 4 layers x 8 KV heads x 64, bf16, block 16). Its parts, each timed on
 its own over the same chunk, the CPU caches flushed before the copy out of the pool only (the
 parts after it find the copy in cache, as in the seal), medians, µs:
@@ -20,7 +20,11 @@ parts after it find the copy in cache, as in the seal), medians, µs:
 - ``syndromes + NaN/Inf``: both now, rowhash's ``page_facts`` (one pass a page, the syndromes
   finished in it); ``... without NaN/Inf``: the same pass without the test (what the test adds
   to it: the difference of the two);
-- ``whole seal``: ``KVPages.seal_in_copy`` with the fill check, as the worker calls it.
+- ``whole seal, copy``: ``KVPages.seal_host_pages(copy=True)`` with the fill check: the seal
+  where pages cannot be read by address (and everywhere from 2026-12-05 until the in-place seal);
+- ``whole seal, in place``: ``KVPages.seal_host_pages`` with the fill check, as the worker calls
+  it: no copy, each 4 MiB chunk hashed in the pool, then read again from the cache for the fill
+  check (``RowDigests.check_pages``) and ``pool_facts``.
 """
 
 from __future__ import annotations
@@ -98,9 +102,21 @@ def main() -> None:
         timed("... without NaN/Inf", lambda: rowhash.page_facts(words, None))
         earlier = rows.rows[ids]
         timed(
-            "whole seal",
-            lambda: pages.seal_in_copy(
-                ids.tolist(), check_finite=True, visit=lambda lo, c: rows.check_copy(c, earlier[lo : lo + k])
+            "whole seal, copy",
+            lambda: pages.seal_host_pages(
+                ids.tolist(),
+                check_finite=True,
+                visit=lambda lo, i, c: rows.check_copy(c, earlier[lo : lo + len(i)]),
+                copy=True,
+            ),
+            cold=True,
+        )
+        timed(
+            "whole seal, in place",
+            lambda: pages.seal_host_pages(
+                ids.tolist(),
+                check_finite=True,
+                visit=lambda lo, i, c: rows.check_pages(i, earlier[lo : lo + len(i)]),
             ),
             cold=True,
         )

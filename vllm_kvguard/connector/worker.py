@@ -972,7 +972,7 @@ class KVGuardWorker:
             self._defer(check, "seal", meta.step, {}, "nonfinite")
             self.counters.add("bytes_hashed", len(seal) * self.pages.bytes_per_block, label="seal")
         elif earlier is not None:  # (only where there are pages to seal)
-            self._seal_in_copy(meta, seal, earlier)
+            self._seal_host_pages(meta, seal, earlier)
         elif seal:
             # One gather of the pages being sealed for both the NaN/Inf test and the syndromes.
             flags, facts = self.pages.seal_facts(seal, check_finite=self.config.nonfinite_mode is not None)
@@ -1012,16 +1012,16 @@ class KVGuardWorker:
         """Check the rows of pages about to be sealed that earlier steps wrote (never seal over
         data that changed after it was written), then record the rows this forward wrote and
         report any that still read as the block's previous owner's (a lost write). Returns the
-        pages to seal (those whose rows did not change) and, where the seal copies host pages
-        anyway (:meth:`_seal_in_copy`), instead of checking here: the earlier rows' digests
+        pages to seal (those whose rows did not change) and, where the seal reads host pages
+        anyway (:meth:`_seal_host_pages`), instead of checking here: the earlier rows' digests
         (pages, slots; 0 where not written), taken before this step's rows are recorded, for
-        the seal to check in its copy."""
+        the seal to check as it reads them."""
         assert self.rows is not None and self.pages is not None
         plan = meta.plan
         start = time.perf_counter()
         changed: set[int] = set()
         earlier: np.ndarray | None = None
-        if seal and self.rows.host is not None and self.pages.seals_in_copy:
+        if seal and self.rows.host is not None and self.pages.seals_host_pages:
             earlier = self.rows.rows[np.asarray(seal, dtype=np.int64)]
         elif seal:
             blocks, slots = self.rows.written(seal)
@@ -1042,22 +1042,23 @@ class KVGuardWorker:
             seal = [b for b in seal if b not in changed]
         return seal, earlier
 
-    def _seal_in_copy(self, meta: KVGuardMetadata, seal: list[int], earlier: np.ndarray) -> None:
-        """Seal host pages from one copy of them (:meth:`KVPages.seal_in_copy`): the fill check
-        of the rows earlier steps wrote (``earlier``: their digests, pages x slots), the
-        NaN/Inf test, the syndromes and the digests, each page's bytes read out of the pool
-        once. Pages with a changed row are reported (as :meth:`_rows_after_forward` does) and
-        not sealed."""
+    def _seal_host_pages(self, meta: KVGuardMetadata, seal: list[int], earlier: np.ndarray) -> None:
+        """Seal host pages from one read of them (:meth:`KVPages.seal_host_pages`: in place in
+        the pool, or from a copy): the fill check of the rows earlier steps wrote
+        (``earlier``: their digests, pages x slots), the NaN/Inf test, the syndromes and the
+        digests, each page's bytes read out of the pool once. Pages with a changed row are
+        reported (as :meth:`_rows_after_forward` does) and not sealed."""
         assert self.rows is not None and self.pages is not None
         rows = self.rows
         bad: list[np.ndarray] = []
 
-        def fill_check(lo: int, pages: np.ndarray) -> None:
-            changed = rows.check_copy(pages, earlier[lo : lo + pages.shape[1]])
+        def fill_check(lo: int, ids: np.ndarray, pages: np.ndarray | None) -> None:
+            expected = earlier[lo : lo + len(ids)]
+            changed = rows.check_pages(ids, expected) if pages is None else rows.check_copy(pages, expected)
             if len(changed):
                 bad.append(changed + lo * self.block_size)
 
-        flags, facts, digests = self.pages.seal_in_copy(
+        flags, facts, digests = self.pages.seal_host_pages(
             seal, check_finite=self.config.nonfinite_mode is not None, visit=fill_check
         )
         written = np.flatnonzero(earlier)

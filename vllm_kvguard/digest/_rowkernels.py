@@ -162,19 +162,20 @@ def keep_written(blocks, slots, flat, block_size, sums, probe, land, spec, rows,
 
 
 @numba.njit(cache=True, nogil=True)
-def copy_sums(at, layer_bytes, page_bytes, pages, layers, block_size, layer_words, lanes, runs, sums):
-    # The sums of every row of a copy of whole pages (HostRows.copy_plan): page p of layer L
-    # starts at at + L x layer_bytes + p x page_bytes; sums[p x block_size + s] is row s's.
-    # lanes (m, 5): row word j (of a layer) made of 4 16-bit elements whose slots lie side by
-    # side (vLLM's CPU K: slot s's element at byte offset off + 2 s), the 4 offsets; the loop
-    # over slots reads them as vectors. runs (r, 4): words j0 .. j0 + count of every slot
-    # contiguous at byte offset off + s x step.
-    for p in range(pages):
+def page_sums(layer_at, page_bytes, ids, block_size, layer_words, lanes, runs, sums):
+    # The sums of every row of whole pages, read where they lie (HostRows.copy_plan): layer L's
+    # page of block ids[p] starts at layer_at[L] + ids[p] x page_bytes (the pool, or a copy
+    # of pages: ids 0, 1, ..); sums[p x block_size + s] is row s's. lanes (m, 5): row word j
+    # (of a layer) made of 4 16-bit elements whose slots lie side by side (vLLM's CPU K: slot
+    # s's element at byte offset off + 2 s), the 4 offsets; the loop over slots reads them as
+    # vectors. runs (r, 4): words j0 .. j0 + count of every slot contiguous at byte offset
+    # off + s x step.
+    for p in range(ids.shape[0]):
         row = p * block_size
         for s in range(block_size):
             sums[row + s] = _U(0)
-        for layer in range(layers):
-            page = at + layer * layer_bytes + p * page_bytes
+        for layer in range(layer_at.shape[0]):
+            page = layer_at[layer] + ids[p] * page_bytes
             first = _U(layer * layer_words)
             for m in range(lanes.shape[0]):
                 e0 = _halves_at(page + lanes[m, 1])
@@ -195,43 +196,46 @@ def copy_sums(at, layer_bytes, page_bytes, pages, layers, block_size, layer_word
 
 
 @numba.njit(cache=True, nogil=True)
-def page_facts(words, mask, low, sign, check, syn, flags):
-    # One pass over each page (a row of ``words``, its 64-bit words) for its syndrome and the
-    # NaN/Inf test: col[c] the XOR of the page's words c, c + 64, ..; syn[p] as
+def page_facts(layer_at, page_bytes, ids, count, mask, low, sign, check, syn, flags):
+    # One pass over each page for its syndrome and the NaN/Inf test, read where it lies: layer
+    # L's page of block ids[p] is ``count`` 64-bit words at layer_at[L] + ids[p] x page_bytes
+    # (the pool, or rows of an array: ids 0, 1, ..); its results go to row L x len(ids) + p.
+    # col[c] the XOR of the page's words c, c + 64, ..; syn[i] as
     # syndrome.finish(*syndrome.parities(page)) gives it: [0] the XOR of every word, [1 + b]
     # (b < 6) of the columns c with bit b set, [7 + b] of the 64-word rows r with bit b set;
-    # with ``check``, flags[p] whether some element lane has every exponent bit set (NaN or
+    # with ``check``, flags[i] whether some element lane has every exponent bit set (NaN or
     # Inf): the word test of dtypes.EXPONENT_TESTS, ((w & mask) + low) & sign, on the same words.
-    count = words.shape[1]
     width = syn.shape[1]
+    k = ids.shape[0]
     col = np.empty(64, dtype=np.uint64)
-    for p in range(words.shape[0]):
-        page = words[p]
-        out = syn[p]
-        for c in range(64):
-            col[c] = _U(0)
-        for i in range(width):
-            out[i] = _U(0)
-        bad = _U(0)
-        for r in range((count + 63) // 64):
-            lo = 64 * r
-            acc = _U(0)
-            for c in range(min(64, count - lo)):
-                w = page[lo + c]
-                col[c] ^= w
-                acc ^= w
-                bad |= ((w & mask) + low) & sign
-            b = 0
-            while r >> b:
-                if (r >> b) & 1:
-                    out[7 + b] ^= acc
-                b += 1
-        for c in range(64):
-            out[0] ^= col[c]
-            for b in range(6):
-                if (c >> b) & 1:
-                    out[1 + b] ^= col[c]
-        flags[p] = check and bad != _U(0)
+    for layer in range(layer_at.shape[0]):
+        for p in range(k):
+            page = _words_at(layer_at[layer] + ids[p] * page_bytes)
+            out = syn[layer * k + p]
+            for c in range(64):
+                col[c] = _U(0)
+            for i in range(width):
+                out[i] = _U(0)
+            bad = _U(0)
+            for r in range((count + 63) // 64):
+                lo = 64 * r
+                acc = _U(0)
+                for c in range(min(64, count - lo)):
+                    w = page[lo + c]
+                    col[c] ^= w
+                    acc ^= w
+                    bad |= ((w & mask) + low) & sign
+                b = 0
+                while r >> b:
+                    if (r >> b) & 1:
+                        out[7 + b] ^= acc
+                    b += 1
+            for c in range(64):
+                out[0] ^= col[c]
+                for b in range(6):
+                    if (c >> b) & 1:
+                        out[1 + b] ^= col[c]
+            flags[layer * k + p] = check and bad != _U(0)
 
 
 KERNELS: dict[str, Callable[..., Any]] = {
@@ -239,6 +243,6 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "add_layer": add_layer,
     "finish": finish,
     "keep_written": keep_written,
-    "copy_sums": copy_sums,
+    "page_sums": page_sums,
     "page_facts": page_facts,
 }

@@ -147,6 +147,16 @@ class KVPages:
         self.geometry = self._one_geometry() if use_kernel else None
         self._host_pages = self._host_pool()
         self._scratch: np.ndarray | None = None
+        # Where each layer's page of block 0 lies (the seal reads pages there: _host_facts);
+        # None where the layers' pages are not evenly spaced alike or not 8-byte aligned.
+        self._page_at: np.ndarray | None = None
+        if self._host_pages is not None and len(set(self._stride)) == 1 and not self._stride[0] % 8:
+            at = np.asarray(
+                [v.ctypes.data + i * v.strides[0] for v in self._host_pages[0] for i in range(len(v))],
+                dtype=np.int64,
+            )
+            if not (at % 8).any() and not self.page_bytes[0] % 8:
+                self._page_at = at
         self._word_test: tuple[int, int, int] | None = None
         if self._host_pages is not None:
             if self._host_pages[1] is not None:
@@ -299,31 +309,41 @@ class KVPages:
         return flags, syn
 
     @property
-    def seals_in_copy(self) -> bool:
-        """Whether :meth:`seal_in_copy` can seal these pages (host pages of one shape and dtype,
-        each one contiguous run)."""
+    def seals_host_pages(self) -> bool:
+        """Whether :meth:`seal_host_pages` can seal these pages (host pages of one shape and
+        dtype, each one contiguous run)."""
         return self._host_pages is not None
 
-    def seal_in_copy(
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether the host seal reads the pages where they lie in the pool (rowhash's compiled
+        passes, every address aligned), rather than from a copy of them."""
+        return self._page_at is not None and rowhash.compiled() is not None
+
+    def seal_host_pages(
         self,
         block_ids: Sequence[int],
         *,
         check_finite: bool,
-        visit: Callable[[int, np.ndarray], None] | None = None,
+        visit: Callable[[int, np.ndarray, np.ndarray | None], None] | None = None,
+        copy: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Everything a seal records from one copy of the pages being sealed, a chunk at a time:
-        :meth:`seal_facts`' NaN/Inf flags and syndromes, and the digests (what :meth:`digest`
-        returns, hashed from the copy instead of read again out of the pool). ``visit(lo,
-        pages)`` is handed each chunk's copy first, (layers, pages, elements) in the pool's
-        lanes for the pages ``block_ids[lo:lo + pages]`` (the seal's fill check digests the
-        earlier rows there: :meth:`RowDigests.check_copy`); it must not keep or change it.
-        Only where :attr:`seals_in_copy`."""
+        """Everything a seal records, each page's bytes read out of the pool once, a chunk at a
+        time: :meth:`seal_facts`' NaN/Inf flags and syndromes, and the digests (what
+        :meth:`digest` returns). ``visit(lo, ids, pages)`` is handed each chunk after its pages
+        are hashed (while they are in the CPU's cache), ``ids`` the blocks
+        ``block_ids[lo:lo + len(ids)]``; ``pages`` is None where the pages are read in place
+        (:attr:`reads_in_place`), else the chunk's copy, (layers, pages, elements) in the
+        pool's lanes, which it must not keep or change (the seal's fill check digests the
+        earlier rows there: :meth:`RowDigests.check_pages`, :meth:`RowDigests.check_copy`).
+        ``copy``: copy the pages out even where they could be read in place (tests, benchmarks).
+        Only where :attr:`seals_host_pages`."""
         n = len(block_ids)
         flags = np.zeros((n, self.num_layers), dtype=bool)
         syn = np.zeros((n, self.num_layers, self.syndrome_words), dtype=np.uint64)
         digests = np.empty((n, self.num_layers), dtype=np.uint64)
         if n:
-            self._host_facts(block_ids, check_finite, True, flags, syn, digests, visit)
+            self._host_facts(block_ids, check_finite, True, flags, syn, digests, visit, copy=copy)
         return flags, syn, digests
 
     # Host memory kept for :meth:`_host_facts`' copy of the pages being sealed (at least one
@@ -331,6 +351,10 @@ class KVPages:
     # numpy array per call was 3-5x slower than the whole computation (every call faulted its
     # pages in again: glibc hands large blocks back to the OS when they are freed).
     SCRATCH_BYTES = 4 << 20
+    # Pages read in place a chunk at a time: every pass of the seal over a chunk after the first
+    # finds it in the CPU's cache (a 32 MiB seal, bench model at block 32: chunks of 0.5, 1, 2,
+    # 4 MiB took 6.6, 6.1, 5.8, 5.9 ms; benchmarks/seal_micro.py has the copy beside it).
+    CHUNK_BYTES = 4 << 20
 
     def _host_facts(
         self,
@@ -340,20 +364,47 @@ class KVPages:
         flags: np.ndarray,
         syn: np.ndarray,
         digests: np.ndarray | None = None,
-        visit: Callable[[int, np.ndarray], None] | None = None,
+        visit: Callable[[int, np.ndarray, np.ndarray | None], None] | None = None,
+        *,
+        copy: bool = False,
     ) -> None:
-        """:meth:`seal_facts` on host pages: the pages copied into a kept scratch buffer, a
-        chunk of blocks at a time (one numpy call where the layers share a buffer), then the
-        syndromes' two passes and the NaN/Inf test over that copy, every layer at once (a few
-        numpy calls a step, not a few per layer); ``digests`` (pages, layers), where given, are
-        the pages' digests hashed from the copy, and ``visit`` sees each chunk's copy first
-        (:meth:`seal_in_copy`)."""
+        """:meth:`seal_facts` on host pages, a chunk of blocks at a time, every layer at once
+        (a few calls a chunk, not a few per page or layer): where :attr:`reads_in_place`, the
+        pages are hashed where they lie (``digests``, where given), then handed to ``visit``
+        (:meth:`seal_host_pages`), then rowhash's ``pool_facts`` takes the syndromes and the
+        NaN/Inf test in one pass a page, from the cache. Otherwise the pages are copied into a
+        kept scratch buffer and the same is done over the copy (numpy's passes without numba)."""
         assert self._host_pages is not None
         views, test = self._host_pages
         ids = np.asarray(block_ids, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise IndexError(f"block ids outside the pool's {self.num_blocks} blocks")
+        check = check_finite and test is not None
         layers = self.num_layers
         elements = views[0].shape[2]
         per_block = layers * elements
+        if self._page_at is not None and not copy and rowhash.compiled() is not None:
+            chunk = max(1, self.CHUNK_BYTES // (per_block * views[0].itemsize))
+            for lo in range(0, len(ids), chunk):
+                part = ids[lo : lo + chunk]
+                k = len(part)
+                if digests is not None:
+                    for layer in range(layers):
+                        digests[lo : lo + k, layer] = self._digest_layer(layer, part.tolist())
+                if visit is not None:
+                    visit(lo, part, None)
+                if not (with_syndromes or check):
+                    continue
+                facts = rowhash.pool_facts(
+                    self._page_at,
+                    self._stride[0],
+                    part,
+                    self.page_bytes[0],
+                    self._word_test if check else None,
+                )
+                assert facts is not None  # compiled, every address aligned: checked above
+                self._take_facts(facts, lo, k, with_syndromes, check, flags, syn)
+            return
         if self._scratch is None:
             chunk = max(1, self.SCRATCH_BYTES // (per_block * views[0].itemsize))
             self._scratch = np.empty(chunk * per_block, dtype=views[0].dtype)
@@ -369,15 +420,14 @@ class KVPages:
             else:
                 for i, view in enumerate(views):
                     np.take(view[0], part, axis=0, out=pages[i], mode="clip")
-            if visit is not None:
-                visit(lo, pages)
             words = pages.reshape(layers * k, elements)
             if digests is not None:
                 # Each page is one run (_host_pool): its bytes in memory order are its row here.
                 h = self._hash
                 got = np.fromiter(map(h, words.view(np.uint8)), dtype=np.uint64, count=layers * k)
                 digests[lo : lo + k] = got.reshape(layers, k).T
-            check = check_finite and test is not None
+            if visit is not None:
+                visit(lo, part, pages)
             facts = (
                 rowhash.page_facts(words, self._word_test if check else None)
                 if with_syndromes or check
@@ -385,11 +435,7 @@ class KVPages:
             )
             if facts is not None:
                 # One compiled pass a page for both (numpy's: three passes over the copy).
-                done, bad = facts
-                if with_syndromes:
-                    syn[lo : lo + k] = done[:, : self.syndrome_words].reshape(layers, k, -1).swapaxes(0, 1)
-                if check:
-                    flags[lo : lo + k] = bad.reshape(layers, k).T
+                self._take_facts(facts, lo, k, with_syndromes, check, flags, syn)
                 continue
             if with_syndromes:
                 done = finish(*parities(words.view(np.uint8)))[:, : self.syndrome_words]
@@ -401,6 +447,24 @@ class KVPages:
                 # or Inf lane is one at or above the exponent mask.
                 np.bitwise_and(words, words.dtype.type(magnitude), out=words)
                 flags[lo : lo + k] = (words.max(axis=1) >= exponent).reshape(layers, k).T
+
+    def _take_facts(
+        self,
+        facts: tuple[np.ndarray, np.ndarray],
+        lo: int,
+        k: int,
+        with_syndromes: bool,
+        check: bool,
+        flags: np.ndarray,
+        syn: np.ndarray,
+    ) -> None:
+        """rowhash's facts of a chunk (rows layer x k + page) into the (pages, layers) tables."""
+        layers = self.num_layers
+        done, bad = facts
+        if with_syndromes:
+            syn[lo : lo + k] = done[:, : self.syndrome_words].reshape(layers, k, -1).swapaxes(0, 1)
+        if check:
+            flags[lo : lo + k] = bad.reshape(layers, k).T
 
     def syndromes_on_device(self, index: torch.Tensor) -> torch.Tensor:
         """Syndromes of the pages ``index`` (block ids on the pages' device) where they live:

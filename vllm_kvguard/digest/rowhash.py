@@ -11,10 +11,11 @@ running requests, into memory the forward had pushed out of the caches: ~95 us a
 
 The other host loops of the step live beside them, compiled the same way: after the forward the
 worker keeps the step's rows in one call (``keep_written``: written order, landing probes read
-in the pool by address, the tables' update, the previous owner's comparison); the seal's fill
-check sums every row of its copy of the pages in place (``copy_sums``); the seal's syndrome
-parities and NaN/Inf test are one pass a page (:func:`page_facts`). Each has a numpy (or
-read-back) path where numba, or the layout, does not allow it.
+in the pool by address, the tables' update, the previous owner's comparison); the seal reads
+each page where it lies in the pool, with no copy: its fill check sums every row in place
+(``page_sums``), and its syndrome parities and NaN/Inf test are one pass a page
+(:func:`pool_facts`). Each has a numpy (or read-back, or copy) path where numba, or the
+layout, does not allow it.
 
 Compiled with numba (a dependency of vLLM) on first use, cached on disk (``cache=True``): about
 a second once per machine, then a load. Where numba cannot be imported, the same digests are
@@ -81,13 +82,13 @@ def compiled() -> dict[str, Callable[..., Any]] | None:
             probe = np.zeros((1, 1, 1), dtype=np.uint64)
             land = np.zeros((1, 1, 3), dtype=np.int64)
             kernels["keep_written"](s[:0], s[:0], s[:0], 16, out, probe, land, spec, out, out, out == 0, s)
-            # copy_sums over no pages.
+            # page_sums and page_facts over no pages (page_facts' words are uint64 whatever
+            # the pages' dtype).
             lanes = np.zeros((0, 5), dtype=np.int64)
-            kernels["copy_sums"](0, 0, 0, 0, 1, 16, 1, lanes, spec[:0], out)
-            # page_facts over no pages (its words are uint64 whatever the pages' dtype).
+            kernels["page_sums"](s, 0, s[:0], 16, 1, lanes, spec[:0], out)
             zero = np.uint64(0)
             kernels["page_facts"](
-                w[:0], zero, zero, zero, False, np.zeros((0, SYNDROME_WORDS), np.uint64), out == 0
+                s, 0, s[:0], 1, zero, zero, zero, False, np.zeros((0, SYNDROME_WORDS), np.uint64), out == 0
             )
             _compiled = kernels
         except Exception as exc:  # numba missing or unusable here: numpy computes the same
@@ -125,25 +126,52 @@ def finish(sums: np.ndarray) -> np.ndarray:
 
 def page_facts(lanes: np.ndarray, test: tuple[int, int, int] | None) -> tuple[np.ndarray, np.ndarray] | None:
     """(syndromes, NaN/Inf flags) of pages given as element lanes (pages, elements;
-    C-contiguous, whole 64-bit words a page), in one compiled pass each: the syndromes as
-    ``syndrome.syndromes`` gives them ((pages, SYNDROME_WORDS) uint64: numpy's two passes and
-    ``finish``) and, with ``test`` (the exponent mask, lowest exponent bit and sign bit of every
-    lane of a word: ``dtypes.EXPONENT_TESTS``), whether each page holds a NaN or Inf (all False
-    without). None without numba, or for pages not laid out so (numpy's passes then)."""
+    C-contiguous, whole 64-bit words a page): :func:`pool_facts` of the array's rows. None
+    without numba, or for pages not laid out so (numpy's passes then)."""
+    if lanes.ndim != 2 or not lanes.flags.c_contiguous or lanes.ctypes.data % 8:
+        return None
+    n = len(lanes)
+    at = np.array([lanes.ctypes.data], dtype=np.int64)
+    return pool_facts(
+        at, lanes.strides[0], np.arange(n, dtype=np.int64), lanes.shape[1] * lanes.itemsize, test
+    )
+
+
+def pool_facts(
+    layer_at: np.ndarray, page_bytes: int, ids: np.ndarray, size: int, test: tuple[int, int, int] | None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(syndromes, NaN/Inf flags) of pages read where they lie, in one compiled pass each:
+    layer L's page of block ``ids[p]`` is the ``size`` bytes at ``layer_at[L] + ids[p] x
+    page_bytes`` (every address 8-byte aligned; the caller checks that they lie inside the
+    pool), its results row ``L x len(ids) + p``. The syndromes as ``syndrome.syndromes`` gives
+    them ((layers x pages, SYNDROME_WORDS) uint64: numpy's two passes and ``finish``) and, with
+    ``test`` (the exponent mask, lowest exponent bit and sign bit of every lane of a word:
+    ``dtypes.EXPONENT_TESTS``), whether each page holds a NaN or Inf (all False without). None
+    without numba, for pages that are not whole aligned words, or too large for the syndromes
+    to address (numpy's passes then)."""
     kernels = compiled()
-    if kernels is None or lanes.ndim != 2 or (lanes.shape[1] * lanes.itemsize) % 8:
+    if kernels is None or size % 8 or page_bytes % 8 or (np.asarray(layer_at) % 8).any():
         return None
-    if not lanes.flags.c_contiguous:
-        return None
-    words = lanes.view(np.uint64)
-    rows = -(-words.shape[1] // 64)
+    words = size // 8
+    rows = -(-words // 64)
     if (rows - 1).bit_length() > SYNDROME_WORDS - 7:
         return None  # a page larger than syndromes address: numpy's passes raise
-    n = len(lanes)
+    n = len(layer_at) * len(ids)
     syn = np.empty((n, SYNDROME_WORDS), dtype=np.uint64)
     flags = np.empty(n, dtype=bool)
     mask, low, sign = (np.uint64(x & _WORD) for x in (test if test is not None else (0, 0, 0)))
-    kernels["page_facts"](words, mask, low, sign, test is not None, syn, flags)
+    kernels["page_facts"](
+        np.asarray(layer_at, dtype=np.int64),
+        page_bytes,
+        ids,
+        words,
+        mask,
+        low,
+        sign,
+        test is not None,
+        syn,
+        flags,
+    )
     return syn, flags
 
 

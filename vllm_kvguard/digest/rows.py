@@ -233,6 +233,11 @@ class HostRows:
         self.probe_words = int(self.probe_spec[:, 3].sum()) if self.probe_spec is not None else 0
         self.land = self._land_table(first.element_size())
         self.copy_plan = self._copy_plan(first.element_size())
+        # Where each layer's page of block 0 lies and the bytes from a page to the next: the
+        # fill check reads pages there (RowDigests.check_pages); None if not 8-byte aligned.
+        self.page_bytes = self.page_elements * first.element_size()
+        at = np.asarray([f.ctypes.data for f in self.flat], dtype=np.int64)
+        self.page_at = None if (at % 8).any() or self.page_bytes % 8 else at
 
     @property
     def strided(self) -> bool:
@@ -266,12 +271,12 @@ class HostRows:
 
     def page_rows(self, pages: np.ndarray) -> np.ndarray:
         """(pages x slots, row_bytes) uint8: every row of pages given as a copy (layers, pages,
-        page elements; :meth:`KVPages.seal_in_copy`), in this class's row order, slot after slot
-        of each page. One transposing copy per part over the copy's own strides (no index
-        arrays; numpy's: torch's was 1.6x faster with two threads but 1.15x slower with the one
-        vLLM's CPU worker leaves it): a whole page's rows cost less than gathering a third of
-        them out of the pool did. The result is this object's scratch (valid until the next
-        gather)."""
+        page elements; :meth:`KVPages.seal_host_pages` where it copies them), in this class's
+        row order, slot after slot of each page. One transposing copy per part over the copy's
+        own strides (no index arrays; numpy's: torch's was 1.6x faster with two threads but
+        1.15x slower with the one vLLM's CPU worker leaves it): a whole page's rows cost less
+        than gathering a third of them out of the pool did. The result is this object's
+        scratch (valid until the next gather)."""
         layers, k, _ = pages.shape
         slots = len(self.elements)
         n = k * slots
@@ -338,8 +343,9 @@ class HostRows:
         return None if (table % 8).any() else table
 
     def _copy_plan(self, size: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """How rowhash's ``copy_sums`` reads every row of a copy of whole pages in place (the
-        seal's fill check, instead of :meth:`page_rows`' transposing copy): each 64-bit word
+        """How rowhash's ``page_sums`` reads every row of whole pages in place, in the pool or
+        in a copy (the seal's fill check, instead of :meth:`page_rows`' transposing copy):
+        each 64-bit word
         of a layer's row is either four 16-bit elements whose slots lie side by side (vLLM's
         CPU K: ``lanes``, (m, 5) of the word and its elements' byte offsets in slot 0) or part
         of a run of whole words, contiguous in each slot (its V: ``runs``, (r, 4) of first
@@ -629,15 +635,35 @@ class RowDigests:
             return np.zeros(0, dtype=np.int64)
         return np.flatnonzero(self.hash(blocks, slots) != self.rows[blocks, slots])
 
-    def check_copy(self, pages: np.ndarray, expected: np.ndarray) -> np.ndarray:
-        """:meth:`check` over pages given as a copy (:meth:`HostRows.page_rows`): ``expected``
-        (pages, slots) holds the digests the rows must still have (0: a row not checked).
-        Returns the flat indices (page x slots + slot) of the rows that changed."""
+    def check_pages(self, ids: np.ndarray, expected: np.ndarray) -> np.ndarray:
+        """:meth:`check` of whole pages where they lie in the pool (blocks ``ids``):
+        ``expected`` (pages, slots) holds the digests the rows must still have (0: a row not
+        checked). Returns the flat indices (page x slots + slot) of the rows that changed.
+        Every row of every page is summed in place by rowhash's ``page_sums`` (the few not
+        wanted cost less than picking out the rest); where the layout has no such plan
+        (:attr:`HostRows.copy_plan`) or numba is missing, the wanted rows are gathered."""
         assert self.host is not None
         wanted = np.flatnonzero(expected)
         if not len(wanted):
             return wanted
-        # Every row hashed (the few not wanted cost less than reading out the rest).
+        host = self.host
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.min() < 0 or ids.max() >= host.num_blocks:  # (read by address below)
+            raise IndexError(f"block ids outside the pool's {host.num_blocks} blocks")
+        got = None if host.page_at is None else self._page_digests(host, host.page_at, host.page_bytes, ids)
+        if got is None:
+            bs = self.block_size
+            now = self.hash(ids[wanted // bs], wanted % bs)
+            return wanted[now != expected.reshape(-1)[wanted]]
+        return wanted[got[wanted] != expected.reshape(-1)[wanted]]
+
+    def check_copy(self, pages: np.ndarray, expected: np.ndarray) -> np.ndarray:
+        """:meth:`check_pages` over pages given as a copy (layers, pages, page elements:
+        :meth:`KVPages.seal_host_pages` where it copies them)."""
+        assert self.host is not None
+        wanted = np.flatnonzero(expected)
+        if not len(wanted):
+            return wanted
         got = self._copy_digests(self.host, pages)
         if got is None:
             raw = self.host.page_rows(pages)
@@ -646,15 +672,10 @@ class RowDigests:
 
     def _copy_digests(self, host: HostRows, pages: np.ndarray) -> np.ndarray | None:
         """Every row's digest of a copy of whole pages (layers, pages, page elements), read in
-        place by rowhash's ``copy_sums`` (:meth:`HostRows._copy_plan`); None where the plan or
-        the copy's layout does not allow it."""
-        kernels = rowhash.compiled()
-        plan = host.copy_plan
+        place (:meth:`_page_digests`); None where the copy's layout does not allow it."""
         layers, k = pages.shape[:2]
         if (
-            plan is None
-            or kernels is None
-            or layers != len(host.flat)
+            layers != len(host.flat)
             or pages.shape[2] * pages.itemsize != host.page_elements * host.flat[0].itemsize
             or pages.strides[2] != pages.itemsize
             or pages.strides[1] % 8
@@ -662,14 +683,26 @@ class RowDigests:
             or pages.ctypes.data % 8
         ):
             return None
+        at = pages.ctypes.data + pages.strides[0] * np.arange(layers, dtype=np.int64)
+        return self._page_digests(host, at, pages.strides[1], np.arange(k, dtype=np.int64))
+
+    def _page_digests(
+        self, host: HostRows, layer_at: np.ndarray, page_bytes: int, ids: np.ndarray
+    ) -> np.ndarray | None:
+        """Every row's digest of the pages ``ids`` (layer L's page of block b at ``layer_at[L]
+        + b x page_bytes``), read in place by rowhash's ``page_sums``
+        (:meth:`HostRows._copy_plan`), page after page, slot after slot; None where there is no
+        plan or no numba."""
+        kernels = rowhash.compiled()
+        plan = host.copy_plan
+        if plan is None or kernels is None:
+            return None
         lanes, runs = plan
-        sums = np.empty(k * self.block_size, dtype=np.uint64)
-        kernels["copy_sums"](
-            pages.ctypes.data,
-            pages.strides[0],
-            pages.strides[1],
-            k,
-            layers,
+        sums = np.empty(len(ids) * self.block_size, dtype=np.uint64)
+        kernels["page_sums"](
+            layer_at,
+            page_bytes,
+            ids,
             self.block_size,
             host.width * host.flat[0].itemsize // 8,
             lanes,

@@ -351,14 +351,17 @@ def test_the_written_rows_buffer_is_the_documented_size() -> None:
     assert huge.capacity == 256
 
 
-def test_the_seal_checks_earlier_rows_in_its_copy_and_seals_only_unchanged_pages() -> None:
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_seal_checks_earlier_rows_as_it_reads_them_and_seals_only_unchanged_pages(in_place: bool) -> None:
     """Pages 1, 2, 3 fill over two steps and seal together: a row page 2 got in the first step
-    changes before the seal (found in the seal's own copy of the pages, located to its slot,
-    page 2 not sealed), page 3 holds a NaN (flagged, zeroed, sealed with the digest of what it
-    holds now), page 1 is sealed as it is."""
+    changes before the seal (found as the seal reads the pages, in place in the pool or in its
+    copy of them, located to its slot, page 2 not sealed), page 3 holds a NaN (flagged, zeroed,
+    sealed with the digest of what it holds now), page 1 is sealed as it is."""
     worker, kv = _rows_worker()
     assert worker.rows is not None and worker.rows.host is not None and worker.table is not None
-    assert worker.pages is not None and worker.pages.seals_in_copy
+    assert worker.pages is not None and worker.pages.seals_host_pages and worker.pages.reads_in_place
+    if not in_place:
+        worker.pages._page_at = None  # (as where the pages are not 8-byte aligned)
     elements = worker.rows.host.elements
 
     def written(step: int, rows: list[tuple[int, int]], seal: list[int]) -> KVGuardMetadata:
@@ -378,6 +381,7 @@ def test_the_seal_checks_earlier_rows_in_its_copy_and_seals_only_unchanged_pages
     assert bad == {2} and worker.table.sealed[[1, 3]].all() and not worker.table.sealed[2]
     assert torch.isfinite(kv[3]).all()
     assert (worker.table.digests[[1, 3]] == worker.pages.digest([1, 3])).all()
+    assert (worker.pages._scratch is None) == in_place
 
 
 @pytest.mark.parametrize("layout", ["qkv", "apart", "one_row"])
@@ -460,9 +464,9 @@ def test_the_fill_check_reads_vllms_cpu_pages_in_place_with_the_digests_of_the_r
     heads: int, head: int, block_size: int
 ) -> None:
     """On vLLM's CPU page layout (bf16, the instruction set this machine's vLLM picks), the
-    seal's fill check reads every row of its copy of the pages in place (rowhash's copy_sums)
-    and gets each row's digest as copying the rows out (HostRows.page_rows) does; a changed
-    element is found in its row."""
+    seal's fill check reads every row of the pages in place, in the pool and in a copy of them
+    (rowhash's page_sums), and gets each row's digest as copying the rows out
+    (HostRows.page_rows) does; a changed element is found in its row."""
     from vllm_kvguard.connector.worker import _cpu_isa, cpu_slot_elements
     from vllm_kvguard.digest.pages import KVPages
     from vllm_kvguard.digest.rows import HostRows, PackedRows, RowDigests
@@ -481,13 +485,19 @@ def test_the_fill_check_reads_vllms_cpu_pages_in_place_with_the_digests_of_the_r
 
     def copy() -> np.ndarray:
         copies: list[np.ndarray] = []
-        pages.seal_in_copy(ids, check_finite=False, visit=lambda lo, c: copies.append(c.copy()))
+        pages.seal_host_pages(
+            ids, check_finite=False, visit=lambda lo, i, c: copies.append(c.copy()), copy=True
+        )
         return copies[0]
 
     first = copy()
     got = rows._copy_digests(host, first)
     assert got is not None and np.array_equal(got, rowhash.digest_rows(host.page_rows(first), s))
     assert np.array_equal(got, rows.hash(b, s))
+    assert host.page_at is not None
+    in_pool = rows._page_digests(host, host.page_at, host.page_bytes, np.array(ids))
+    assert in_pool is not None and np.array_equal(in_pool, got)
     rows.record(b, s)
     layers[1][1].view(-1)[int(host.elements[5][2])] += 1.0  # a K element of row (1, 5), layer 1
     assert rows.check_copy(copy(), rows.rows[ids]).tolist() == [block_size + 5]
+    assert rows.check_pages(np.array(ids), rows.rows[ids]).tolist() == [block_size + 5]

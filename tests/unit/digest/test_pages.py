@@ -132,31 +132,35 @@ def test_nonfinite_finds_exactly_the_pages_with_nan_or_inf(dtype: torch.dtype, b
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float64])
 @pytest.mark.parametrize("one_buffer", [True, False])
-@pytest.mark.parametrize("scratch", [KVPages.SCRATCH_BYTES, 1, 3 * 256])
-@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("chunk", [KVPages.SCRATCH_BYTES, 1, 3 * 256])
+@pytest.mark.parametrize("path", ["in place", "copy", "numpy"])
 def test_seal_facts_on_host_pages_equal_the_per_layer_path(
-    dtype: torch.dtype, one_buffer: bool, scratch: int, compiled: bool, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, one_buffer: bool, chunk: int, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The host pages' path (every layer at once, one view where the layers share a buffer as
-    vLLM allocates them; through a kept scratch buffer of whole blocks, here also 1 and 2
-    blocks at a time; the parities and the NaN/Inf test in one compiled pass a page, or, without
-    numba, numpy's passes) finds the same NaN/Inf pages and syndromes as the per-layer torch
-    path, twice in a row (the scratch reused); float64, which the exponent test does not cover,
-    takes the torch path."""
+    """The host pages' path (every layer at once, a chunk of whole blocks at a time, here also
+    1 and 2 blocks at a time; the pages read in place in the pool by rowhash's compiled pass,
+    or copied into a kept scratch buffer, one view where the layers share a buffer as vLLM
+    allocates them, and passed over by the compiled pass or, without numba, numpy's passes)
+    finds the same NaN/Inf pages and syndromes as the per-layer torch path, twice in a row
+    (the scratch reused); float64, which the exponent test does not cover, takes the torch
+    path."""
     from vllm_kvguard.digest import rowhash
 
-    if not compiled:
+    if path == "numpy":
         monkeypatch.setattr(rowhash, "_compiled", None)
         monkeypatch.setattr(rowhash, "_why_not", "ImportError: No module named 'numba'")
     buffer = (torch.randn(3, 12, 2, 4, 16) * 100).to(dtype)
     layers = {f"l{i}": buffer[i] if one_buffer else buffer[i].clone() for i in range(3)}
     pages = KVPages(layers)
-    pages.SCRATCH_BYTES = scratch * buffer.element_size()  # blocks of 3 x 128 elements
+    pages.SCRATCH_BYTES = pages.CHUNK_BYTES = chunk * buffer.element_size()  # blocks of 3 x 128 elements
     fast = pages._host_pages
     if dtype == torch.float64:
-        assert fast is None
+        assert fast is None and not pages.reads_in_place
         return
     assert fast is not None and len(fast[0]) == (1 if one_buffer else 3)
+    if path == "copy":
+        pages._page_at = None  # (as where the pages are not 8-byte aligned)
+    assert pages.reads_in_place == (path == "in place")
     if dtype.is_floating_point:
         layers["l1"][5, 1, 3, 15] = float("nan")
         layers["l2"][7, 0, 0, 0] = float("-inf")
@@ -165,14 +169,20 @@ def test_seal_facts_on_host_pages_equal_the_per_layer_path(
     ids = [5, 7, 9, 3, 0]
     pages.seal_facts([11, 10], check_finite=True)  # the scratch holds other pages first
     flags, syn = pages.seal_facts(ids, check_finite=True)
-    assert pages._scratch is not None
-    assert len(pages._scratch) == max(1, scratch // 384) * 384
+    if path == "in place":
+        assert pages._scratch is None  # no copy made
+    else:
+        assert pages._scratch is not None
+        assert len(pages._scratch) == max(1, chunk // 384) * 384
     pages._host_pages = None  # the per-layer torch path, on the same pages
     want_flags, want_syn = pages.seal_facts(ids, check_finite=True)
     assert (syn == want_syn).all() and syn.any()
     assert flags.tolist() == want_flags.tolist()
     expected = [[False, True, False], [False, False, True], [True, False, False], [False] * 3, [False] * 3]
     assert flags.tolist() == (expected if dtype.is_floating_point else [[False] * 3] * 5)
+    with pytest.raises(IndexError, match="outside the pool's 12 blocks"):
+        pages._host_pages = fast
+        pages.seal_facts([3, 12], check_finite=True)
 
 
 def test_nonfinite_ignores_integer_caches() -> None:
@@ -213,53 +223,74 @@ def test_diagnosis_primitives_hold_for_contiguous_and_split_pages(split: bool) -
 
 
 def test_the_seal_scratch_is_the_documented_size() -> None:
-    """docs/performance.md, "Memory": 4 MiB, or one block of every layer where that is larger."""
+    """docs/performance.md, "Memory": no copy where the seal reads pages in place; else 4 MiB, or
+    one block of every layer where that is larger."""
     from pathlib import Path
 
     doc = (Path(__file__).parents[3] / "docs" / "performance.md").read_text()
     assert "`KVPages.SCRATCH_BYTES`: 4 MiB, or one block of every layer where that is" in doc
+    assert "since 2026-12-05 the seal reads\nthem in place and keeps no copy" in doc
     small = KVPages({f"l{i}": torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16) for i in range(4)})
+    assert small.reads_in_place
+    small.seal_facts([1], check_finite=True)
+    assert small._scratch is None
+    small._page_at = None  # (as where the pages are not 8-byte aligned)
     small.seal_facts([1], check_finite=True)
     assert small._scratch is not None and small._scratch.nbytes == 4 << 20  # 128 blocks of 32 KiB
+    # Pages 2 bytes past a 64-bit word are not read by address: copied.
+    shifted = torch.zeros(4 * 8 * 16 * 8 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 8, 16, 8, 128)
+    odd = KVPages({f"l{i}": shifted[i] for i in range(4)})
+    assert odd.seals_host_pages and not odd.reads_in_place
+    odd.seal_facts([1], check_finite=True)
+    assert odd._scratch is not None
     large = KVPages({f"l{i}": torch.zeros(2, 16, 8, 128, dtype=torch.bfloat16) for i in range(160)})
+    large._page_at = None
     large.seal_facts([1], check_finite=True)
     assert large._scratch is not None and large._scratch.nbytes == 160 * 32 << 10  # one 5 MiB block
 
 
 @pytest.mark.parametrize("algorithm", [HashAlgorithm.XXH3_64, HashAlgorithm.XXH64])
-@pytest.mark.parametrize("scratch", [KVPages.SCRATCH_BYTES, 1, 2 * 384])
-def test_seal_in_copy_records_what_seal_facts_and_digest_do(algorithm: HashAlgorithm, scratch: int) -> None:
-    """One copy of the pages being sealed gives the flags, syndromes and digests that the
-    separate calls read out of the pool, chunk after chunk of the scratch; each chunk's copy
-    is handed to ``visit`` first, at its offset, before the NaN/Inf test clears sign bits."""
+@pytest.mark.parametrize("chunk", [KVPages.SCRATCH_BYTES, 1, 2 * 384])
+@pytest.mark.parametrize("copy", [False, True])
+def test_seal_host_pages_records_what_seal_facts_and_digest_do(
+    algorithm: HashAlgorithm, chunk: int, copy: bool
+) -> None:
+    """One read of the pages being sealed (in place in the pool, or one copy of them) gives the
+    flags, syndromes and digests that the separate calls read out of the pool, chunk after
+    chunk; each chunk is handed to ``visit`` at its offset with its block ids, and with its copy
+    where there is one (before the NaN/Inf test clears sign bits), else None."""
     buffer = (torch.randn(3, 12, 2, 4, 16) * 100).to(torch.bfloat16)
     layers = {f"l{i}": buffer[i] for i in range(3)}
     pages = KVPages(layers, algorithm=algorithm)
-    pages.SCRATCH_BYTES = scratch * buffer.element_size()
-    assert pages.seals_in_copy
+    pages.SCRATCH_BYTES = pages.CHUNK_BYTES = chunk * buffer.element_size()
+    assert pages.seals_host_pages and pages.reads_in_place
     layers["l1"][5, 1, 3, 15] = float("nan")
     ids = [5, 7, 9, 3, 0]
     seen: list[tuple[int, int]] = []
 
-    def visit(lo: int, copy: np.ndarray) -> None:
-        k = copy.shape[1]
-        assert copy.shape == (3, k, 128)
-        for j, block in enumerate(ids[lo : lo + k]):
-            for layer in range(3):
-                assert (
-                    copy[layer, j].tobytes() == layers[f"l{layer}"][block].view(torch.uint8).numpy().tobytes()
-                )
+    def visit(lo: int, part: np.ndarray, pages_copy: np.ndarray | None) -> None:
+        k = len(part)
+        assert part.tolist() == ids[lo : lo + k]
+        if not copy:
+            assert pages_copy is None
+        else:
+            assert pages_copy is not None and pages_copy.shape == (3, k, 128)
+            for j, block in enumerate(part.tolist()):
+                for layer in range(3):
+                    want = layers[f"l{layer}"][block].view(torch.uint8).numpy().tobytes()
+                    assert pages_copy[layer, j].tobytes() == want
         seen.append((lo, k))
 
-    flags, syn, digests = pages.seal_in_copy(ids, check_finite=True, visit=visit)
+    flags, syn, digests = pages.seal_host_pages(ids, check_finite=True, visit=visit, copy=copy)
+    assert (pages._scratch is not None) == copy
     want_flags, want_syn = pages.seal_facts(ids, check_finite=True)
     assert (digests == pages.digest(ids)).all()
     assert (syn == want_syn).all() and flags.tolist() == want_flags.tolist() and flags[0, 1]
     assert [lo for lo, _ in seen] == list(itertools.accumulate([0, *[k for _, k in seen][:-1]]))
-    assert sum(k for _, k in seen) == len(ids) and (len(seen) > 1) == (scratch < 5 * 384)
-    assert [a.shape for a in pages.seal_in_copy([], check_finite=True)] == [
+    assert sum(k for _, k in seen) == len(ids) and (len(seen) > 1) == (chunk < 5 * 384)
+    assert [a.shape for a in pages.seal_host_pages([], check_finite=True)] == [
         (0, 3),
         (0, 3, pages.syndrome_words),
         (0, 3),
     ]
-    assert not KVPages({"a": buffer[0].to(torch.float64)}).seals_in_copy
+    assert not KVPages({"a": buffer[0].to(torch.float64)}).seals_host_pages

@@ -226,12 +226,13 @@ def test_rows_kept_as_written_in_one_call_are_what_record_keeps() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_of_a_copy_of_whole_pages_are_the_rows_gathered_from_the_pool(dtype: torch.dtype) -> None:
-    """The seal's fill check reads rows out of its copy of the pages: in 16-bit pages whose K
-    has slots side by side, in place (HostRows.copy_plan, rowhash's copy_sums), else through
-    HostRows.page_rows (the same bytes, in the same order, as gathering each row from the
-    pool, through the strided views and through the element map); both give every row's
-    digest; check_copy finds exactly the rows changed after they were recorded and ignores
-    rows not asked for."""
+    """The seal's fill check reads rows out of the pages in the pool, or out of its copy of
+    them: in 16-bit pages whose K has slots side by side, in place (HostRows.copy_plan,
+    rowhash's page_sums), else through HostRows.page_rows (the same bytes, in the same order,
+    as gathering each row from the pool, through the strided views and through the element
+    map) or, in the pool, by gathering the rows asked for; each gives every row's digest;
+    check_pages and check_copy find exactly the rows changed after they were recorded and
+    ignore rows not asked for."""
     from vllm_kvguard.digest import rowhash
     from vllm_kvguard.digest.pages import KVPages
     from vllm_kvguard.digest.rows import HostRows
@@ -245,7 +246,9 @@ def test_rows_of_a_copy_of_whole_pages_are_the_rows_gathered_from_the_pool(dtype
     pages = KVPages({f"l{i}": t for i, t in enumerate(layers)})
     ids = np.array([7, 2, 5], dtype=np.int64)
     copies: list[np.ndarray] = []
-    pages.seal_in_copy(ids.tolist(), check_finite=False, visit=lambda lo, c: copies.append(c.copy()))
+    pages.seal_host_pages(
+        ids.tolist(), check_finite=False, visit=lambda lo, i, c: copies.append(c.copy()), copy=True
+    )
     (copy,) = copies
     b, s = np.repeat(ids, BS), np.tile(np.arange(BS), len(ids))
     assert np.array_equal(host.page_rows(copy), host.gather(b, s))
@@ -258,15 +261,25 @@ def test_rows_of_a_copy_of_whole_pages_are_the_rows_gathered_from_the_pool(dtype
         assert (len(lanes), runs[:, :2].tolist()) == (4, [[4, 2], [6, 2]])
         assert in_place is not None
         assert np.array_equal(in_place, rowhash.digest_rows(host.page_rows(copy), s))
+        assert host.page_at is not None
+        in_pool = rows._page_digests(host, host.page_at, host.page_bytes, ids)
+        assert in_pool is not None and np.array_equal(in_pool, in_place)
     else:  # 32-bit K elements a slot apart: no 64-bit word of a row lies in one place
         assert host.copy_plan is None and in_place is None
     rows.record(b[:-1], s[:-1])  # every row but the last page's last
     expected = rows.rows[ids]
     assert rows.check_copy(copy, expected).tolist() == []
+    assert rows.check_pages(ids, expected).tolist() == []
     layers[2][2].view(-1)[int(host.elements[1][3])] += 1.0  # row (2, 1), third layer
     layers[0][5].view(-1)[int(host.elements[3][0])] += 1.0  # row (5, 3): not recorded
     copies.clear()
-    pages.seal_in_copy(ids.tolist(), check_finite=False, visit=lambda lo, c: copies.append(c.copy()))
+    pages.seal_host_pages(
+        ids.tolist(), check_finite=False, visit=lambda lo, i, c: copies.append(c.copy()), copy=True
+    )
     assert rows.check_copy(copies[0], expected).tolist() == [1 * BS + 1]
+    assert rows.check_pages(ids, expected).tolist() == [1 * BS + 1]
     assert rows.check(b[:-1], s[:-1]).tolist() == [BS + 1]
     assert rows.check_copy(copies[0], np.zeros_like(expected)).tolist() == []
+    assert rows.check_pages(ids, np.zeros_like(expected)).tolist() == []
+    with pytest.raises(IndexError, match="outside the pool's 9 blocks"):
+        rows.check_pages(np.array([2, 9]), expected[:2])
