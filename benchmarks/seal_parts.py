@@ -13,7 +13,7 @@ parts after it find the copy in cache, as in the seal), medians, µs:
   layout has no in-place plan);
 - ``row digests``: rowhash's KVG64 of every row of that;
 - ``rows in place``: the fill check's digests now, every row read in place in the copy
-  (``RowDigests._copy_digests``: rowhash's ``copy_sums`` and ``finish``);
+  (``RowDigests._copy_digests``: rowhash's ``page_sums`` and ``finish``);
 - ``page digests``: XXH3 of each page of the copy;
 - ``syndromes``: numpy's two passes and ``finish`` (the path without numba);
 - ``NaN/Inf test``: numpy's exponent test on the copy's element lanes (the same);
