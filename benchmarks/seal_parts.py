@@ -12,8 +12,9 @@ parts after it find the copy in cache, as in the seal), medians, µs:
   transposed on vLLM's CPU layout: the fill check's gather until 2026-12-05, kept where a
   layout has no in-place plan);
 - ``row digests``: rowhash's KVG64 of every row of that;
-- ``rows in place``: the fill check's digests now, every row read in place in the copy
-  (``RowDigests._copy_digests``: rowhash's ``page_sums`` and ``finish``);
+- ``rows in place``: the fill check's digests where the seal copies the pages, every row read in
+  place in the copy (``RowDigests._copy_digests``: rowhash's ``page_sums`` and ``finish``; the
+  seal in the pool runs the same loop on the pool's pages, ``RowDigests.check_pages``);
 - ``page digests``: XXH3 of each page of the copy;
 - ``syndromes``: numpy's two passes and ``finish`` (the path without numba);
 - ``NaN/Inf test``: numpy's exponent test on the copy's element lanes (the same);
