@@ -19,6 +19,7 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -92,14 +93,50 @@ def _none() -> np.ndarray:
     return _NONE
 
 
+_compiled: ModuleType | None = None
+_why_not = ""
+
+
+def compiled() -> ModuleType | None:
+    """The ledger's compiled loops (core/_plankernels.py), built or loaded once; None where
+    numba cannot be used (the plan then takes its numpy path, which computes the same):
+    :func:`backend` says which. A decode step's placement is then one call instead of a dozen
+    numpy expressions, each of which costs 10-25 µs in the engine, where the forward has pushed
+    numpy's code out of the CPU's caches (docs/performance.md)."""
+    global _compiled, _why_not
+    if _compiled is None and not _why_not:
+        try:
+            # Imported here, not with this module (see digest/rowhash.py's compiled(): numba
+            # imported before vLLM's worker starts trips vLLM 0.32's kernel scan, which the
+            # plugin guards).
+            from vllm_kvguard.core import _plankernels
+
+            # Compile (or load from numba's cache) now, not in a step: the kinds the plan passes.
+            one = np.zeros(1, dtype=np.int64)
+            _plankernels.place_decodes(
+                one, one, np.zeros((1, 1), dtype=np.int32), one + 1, 16, np.empty((3, 1), dtype=np.int64)
+            )
+            _compiled = _plankernels
+        except Exception as exc:  # numba missing or unusable here: numpy computes the same
+            _why_not = f"{type(exc).__name__}: {exc}"
+    return _compiled
+
+
+def backend() -> str:
+    """Which code places a decode step's rows: ``numba`` or ``numpy (why)``."""
+    return "numba" if compiled() is not None else f"numpy ({_why_not})"
+
+
 class _Decoded(NamedTuple):
     """The decodes the ledger placed this step: ``req_ids[at[i]]`` has computed ``nc[i]``
-    tokens and mirror row ``rows[i]``."""
+    tokens and mirror row ``rows[i]``; ``short``: how many have no full page yet (-1: not
+    counted)."""
 
     req_ids: list[str]
     at: np.ndarray
     nc: np.ndarray
     rows: np.ndarray
+    short: int = -1
 
 
 class PageBatch(NamedTuple):
@@ -233,7 +270,7 @@ class BlockLedger:
         self._table_len = np.zeros(0, dtype=np.int64)
         # The last decode batch's request list and rows: vLLM sends the same requests in the
         # same order step after step, and a list compare is far cheaper than a lookup each.
-        self._last_decodes: tuple[list[str], np.ndarray] | None = None
+        self._last_decodes: tuple[list[str], np.ndarray, np.ndarray] | None = None
         # Who each block was handed to (a key of the writer and page position, set by the
         # connector; 0: unknown), and the same for the block's previous owner: a row that
         # reads back as the previous owner's is a lost write only if that owner's row was
@@ -243,6 +280,7 @@ class BlockLedger:
         # Per block, kept with the two keys: both known and different (:meth:`lost_write_rows`,
         # one gather a step instead of comparing the keys every step).
         self.lost_evidence = np.zeros(num_blocks, dtype=bool)
+        compiled()  # built (or loaded) now, not in the first decode step
 
     @property
     def num_blocks(self) -> int:
@@ -308,22 +346,50 @@ class BlockLedger:
         row = self._row_of.get(req_id)
         return self._table[row, : self._table_len[row]] if row is not None else _ids()
 
+    def _place_decodes(
+        self, nc: np.ndarray, rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int] | None:
+        """(blocks, slots, table positions, pages filled, pages begun, decodes with no full
+        page yet) of the decodes' rows
+        (``nc``: tokens computed, ``rows``: mirror rows), in one compiled call; None without
+        numba, for arrays of other kinds, or where some decode's page lies past its mirrored
+        table (the plan's numpy path then)."""
+        kernels = compiled()
+        if (
+            kernels is None
+            or nc.dtype != np.int64
+            or rows.dtype != np.int64
+            or not (nc.flags.c_contiguous and rows.flags.c_contiguous)
+        ):
+            return None
+        out = np.empty((3, len(nc)), dtype=np.int64)
+        fills, begun, short = kernels.place_decodes(
+            nc, rows, self._table, self._table_len, self.block_size, out
+        )
+        if fills < 0:
+            return None
+        return out[0], out[1], out[2], fills, begun, short
+
     def _decode_rows(self, decodes: Decodes) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(positions in ``decodes.req_ids``, mirror rows, which of them were read whole from
         vLLM now (None: none)) of the decoding requests."""
         ids = decodes.req_ids
         last = self._last_decodes
         if last is not None and last[0] == ids:
-            every = last[1]
+            every, positions = last[1], last[2]
         else:
             every = np.fromiter(
                 map(self._row_of.get, ids, itertools.repeat(-1)), dtype=np.int64, count=len(ids)
             )
+            positions = np.arange(len(ids))
             # Cached only where every request is known (the usual step: no check of it again).
-            self._last_decodes = (ids, every) if every.min(initial=0) >= 0 else None
-        # (``rows`` may be the cached array itself: read, never written, by the plan.)
+            self._last_decodes = None
+            if every.min(initial=0) >= 0:
+                every.flags.writeable = positions.flags.writeable = False
+                self._last_decodes = (ids, every, positions)
+        # (``rows`` and ``at`` may be the cached arrays themselves: read-only, as the plan reads them.)
         if decodes.at is None:
-            at, rows = np.arange(len(ids)), every
+            at, rows = positions, every
         else:
             at, rows = decodes.at, every[decodes.at]
         fetched = None
@@ -375,24 +441,31 @@ class BlockLedger:
                 plan.given_pages.append((req.req_id, np.arange(start, start + len(blocks)), blocks))
             if req.num_new:
                 self._written(req, rows_b, rows_s, started)
-        d_blocks = d_slots = d_index = col = _ids()
+        d_blocks = d_slots = d_index = col = _NONE
+        # Pages the decodes fill and begin this step, decodes with no full page (-1: not
+        # counted, numpy looks).
+        fills = begun_count = short = -1
         decoded = None
         if decodes is not None and len(decodes):
             d_index, d_rows, fetched = self._decode_rows(decodes)
             if decodes.grown is not None and len(decodes.grown):
                 self._grow(decodes, d_index, d_rows, fetched, plan)
             nc = decodes.num_computed
-            col = nc // bs
-            over = col >= self._table_len[d_rows]
-            if over.any():
-                for i in np.flatnonzero(over).tolist():  # a table the views did not show whole
-                    req_id = decodes.req_ids[d_index[i]]
-                    self._set_table(req_id, decodes.block_ids(req_id))
-                known = col < self._table_len[d_rows]
-                d_index, d_rows, col, nc = d_index[known], d_rows[known], col[known], nc[known]
-            d_blocks = self._table[d_rows, col].astype(np.int64)
-            d_slots = nc % bs
-            decoded = _Decoded(decodes.req_ids, d_index, nc, d_rows)
+            placed = self._place_decodes(nc, d_rows)
+            if placed is not None:  # the usual step: one compiled call
+                d_blocks, d_slots, col, fills, begun_count, short = placed
+            else:
+                col = nc // bs
+                over = col >= self._table_len[d_rows]
+                if over.any():
+                    for i in np.flatnonzero(over).tolist():  # a table the views did not show whole
+                        req_id = decodes.req_ids[d_index[i]]
+                        self._set_table(req_id, decodes.block_ids(req_id))
+                    known = col < self._table_len[d_rows]
+                    d_index, d_rows, col, nc = d_index[known], d_rows[known], col[known], nc[known]
+                d_blocks = self._table[d_rows, col].astype(np.int64)
+                d_slots = nc % bs
+            decoded = _Decoded(decodes.req_ids, d_index, nc, d_rows, short)
         for req in requests:
             hits = req.num_computed // bs if req.fresh else 0
             first_sealed = req.num_computed // bs
@@ -406,7 +479,7 @@ class BlockLedger:
                 plan.hit_pages.append((req.req_id, hit))
             if last_sealed > first_sealed:
                 self._seal(req.req_id, table[first_sealed:last_sealed].astype(np.int64), first_sealed, plan)
-        if len(d_blocks):
+        if len(d_blocks) and fills:
             # Pages whose last slot a decode writes: sealed after the forward (one entry per
             # request that fills one: what changed).
             assert decodes is not None
@@ -424,7 +497,7 @@ class BlockLedger:
             plan.written_slots = np.concatenate([_ids(rows_s), d_slots])
         else:  # a step of decodes only
             plan.written_blocks, plan.written_slots = d_blocks, d_slots
-        begun = d_blocks[d_slots == 0] if len(d_blocks) else d_blocks
+        begun = d_blocks[d_slots == 0] if len(d_blocks) and begun_count else _NONE
         plan.started = np.concatenate([_ids(started), begun]) if started else begun
         if plan.seal or plan.verify or len(plan.started):
             self.mark_verified(np.concatenate([_ids(plan.seal), _ids(plan.verify), plan.started]), now)
@@ -691,11 +764,18 @@ class BlockLedger:
         budget takes, never at every running request.
         """
         bs = self.block_size
-        d_at = np.flatnonzero(decoded.nc >= bs) if decoded is not None else _ids()
-        count = len(running) + len(d_at)
+        # The decodes with a full page to read (None: all of them, as the placement counted).
+        d_at: np.ndarray | None = _NONE
+        count = len(running)
+        if decoded is not None:
+            d_at = None if decoded.short == 0 else np.flatnonzero(decoded.nc >= bs)
+            count += len(decoded.nc) if d_at is None else len(d_at)
         if not count:
             return [], []
         if budget is None:
+            if decoded is not None and d_at is None:
+                d_at = np.arange(len(decoded.nc))
+            assert d_at is not None
             ids, owner = self._all_reads(running, decoded, d_at)
             names: list[str] = [r for r, _ in running]
             if decoded is not None:
@@ -711,7 +791,7 @@ class BlockLedger:
                     req_id, computed_tokens = running[k]
                 else:
                     assert decoded is not None
-                    j = int(d_at[k - len(running)])
+                    j = k - len(running) if d_at is None else int(d_at[k - len(running)])
                     req_id, computed_tokens = decoded.req_ids[decoded.at[j]], int(decoded.nc[j])
                 table = self._read_pages(self.table(req_id), computed_tokens)
                 if len(table) > left:

@@ -477,3 +477,88 @@ def test_decodes_given_a_block_plan_as_views_would(case: str) -> None:
     assert violations == expected
     if case == "cached":
         assert batched[2] == [6]  # the cached page left the prefix cache for its new writer
+
+
+def _decode_run(
+    monkeypatch: pytest.MonkeyPatch, use_compiled: bool, budget: int | None
+) -> tuple[list[tuple], dict[str, int]]:
+    """Twelve decode steps of five requests in arrays (rows into pages they hold, a page filled,
+    a block given, a request whose mirrored table lacks its page, a quarantined page that
+    fills), planned with the ledger's compiled placement or its numpy path; per step what
+    the plan says and what the ledger holds after it."""
+    import numpy as np
+
+    from vllm_kvguard.core import ledger as ledger_module
+    from vllm_kvguard.core.ledger import Decodes
+
+    calls = {"placed": 0, "fell back": 0}
+    kernels = ledger_module.compiled()
+    assert kernels is not None, ledger_module.backend()
+
+    class Counted:
+        @staticmethod
+        def place_decodes(*args):
+            got = kernels.place_decodes(*args)
+            calls["placed" if got[0] >= 0 else "fell back"] += 1
+            return got
+
+    monkeypatch.setattr(ledger_module, "_compiled", Counted if use_compiled else None)
+    monkeypatch.setattr(ledger_module, "_why_not", "" if use_compiled else "ImportError: no numba")
+    ledger = BlockLedger(64, BS)
+    tables = {"a": [1, 2, 3], "b": [4, 5], "c": [6], "d": [7, 8], "e": [9, 10]}
+    computed = {"a": 9, "b": 6, "c": 1, "d": 7, "e": 5}
+    ledger.plan([req(r, 0, computed[r], True, list(t), list(t)) for r, t in tables.items()])
+    ledger.quarantine([8])  # d's page 1 fills at step 1 and must not be sealed
+    spare = iter(range(20, 64))
+    out = []
+    for step in range(12):
+        ids = list(tables)
+        grown = [i for i, r in enumerate(ids) if computed[r] == len(tables[r]) * BS]
+        for i in grown:
+            tables[ids[i]].append(next(spare))
+        if step == 5:  # e's page 2 appended in vLLM's table only: the mirror lacks it
+            tables["e"].append(next(spare))
+            computed["e"] = 2 * BS
+        decodes = Decodes(ids, None, np.array([computed[r] for r in ids], dtype=np.int64), tables.get)
+        if grown:
+            decodes.grown = np.array(grown)
+            decodes.grown_blocks = np.array([tables[ids[i]][-1] for i in grown])
+        plan = ledger.plan([], read_budget=budget, now=float(step), decodes=decodes)
+        sealed = plan.sealed_decodes
+        filled = sealed and (sealed.req_ids, sealed.positions.tolist(), sealed.blocks.tolist())
+        out.append(
+            (
+                plan.written_blocks.tolist(),
+                plan.written_slots.tolist(),
+                plan.seal,
+                filled,
+                plan.started.tolist(),
+                plan.given,
+                plan.read_verify,
+                plan.read_partial,
+                ledger.state.tolist(),
+                ledger.verified_step.tolist(),
+                [ledger.table(r).tolist() for r in ids],
+            )
+        )
+        for r in ids:
+            computed[r] += 1
+    return out, calls
+
+
+@pytest.mark.parametrize("budget", [2, None])
+def test_compiled_decode_placement_plans_as_the_numpy_path(
+    monkeypatch: pytest.MonkeyPatch, budget: int | None
+) -> None:
+    """The ledger's compiled placement of a decode step (one call: blocks, slots, table
+    positions, pages filled and begun, decodes with no full page to read) gives the plans of
+    its numpy path, step by step, sampled reads and paranoid; a decode whose page lies past its
+    mirrored table sends the step to the numpy path."""
+    compiled, calls = _decode_run(monkeypatch, True, budget)
+    numpy_path, none = _decode_run(monkeypatch, False, budget)
+    assert compiled == numpy_path
+    assert calls["placed"] == 11 and calls["fell back"] == 1 and none == {"placed": 0, "fell back": 0}
+    seals = [step[2] for step in compiled]
+    started = [step[4] for step in compiled]
+    assert any(seals) and any(started) and all(step[6] for step in compiled)
+    assert all(8 not in s for s in seals)  # the quarantined page was not sealed
