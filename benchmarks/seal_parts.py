@@ -102,25 +102,22 @@ def main() -> None:
         timed("syndromes + NaN/Inf", lambda: rowhash.page_facts(words, word_test))
         timed("... without NaN/Inf", lambda: rowhash.page_facts(words, None))
         earlier = rows.rows[ids]
-        timed(
-            "whole seal, copy",
-            lambda: pages.seal_host_pages(
-                ids.tolist(),
-                check_finite=True,
-                visit=lambda lo, i, c: rows.check_copy(c, earlier[lo : lo + len(i)]),
-                copy=True,
-            ),
-            cold=True,
-        )
-        timed(
-            "whole seal, in place",
-            lambda: pages.seal_host_pages(
-                ids.tolist(),
-                check_finite=True,
-                visit=lambda lo, i, c: rows.check_pages(i, earlier[lo : lo + len(i)]),
-            ),
-            cold=True,
-        )
+
+        def fill_check(lo: int, part: np.ndarray, pages_copy: np.ndarray | None) -> None:
+            expected = earlier[lo : lo + len(part)]
+            if pages_copy is None:
+                rows.check_pages(part, expected)
+            else:
+                rows.check_copy(pages_copy, expected)
+
+        for name, by_copy in (("whole seal, copy", True), ("whole seal, in place", False)):
+            timed(
+                name,
+                lambda by_copy=by_copy: pages.seal_host_pages(
+                    ids.tolist(), check_finite=True, visit=fill_check, copy=by_copy
+                ),
+                cold=True,
+            )
 
     for _ in range(a.repeats):
         chunk(np.sort(rng.choice(blocks, k, replace=False)))
