@@ -350,10 +350,9 @@ class BlockLedger:
         self, nc: np.ndarray, rows: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int] | None:
         """(blocks, slots, table positions, pages filled, pages begun, decodes with no full
-        page yet) of the decodes' rows
-        (``nc``: tokens computed, ``rows``: mirror rows), in one compiled call; None without
-        numba, for arrays of other kinds, or where some decode's page lies past its mirrored
-        table (the plan's numpy path then)."""
+        page yet) of the decodes' rows (``nc``: tokens computed, ``rows``: mirror rows), in one
+        compiled call; None without numba, for arrays of other kinds, or where some decode's
+        page lies past its mirrored table (the plan's numpy path then)."""
         kernels = compiled()
         if (
             kernels is None
@@ -387,7 +386,8 @@ class BlockLedger:
             if every.min(initial=0) >= 0:
                 every.flags.writeable = positions.flags.writeable = False
                 self._last_decodes = (ids, every, positions)
-        # (``rows`` and ``at`` may be the cached arrays themselves: read-only, as the plan reads them.)
+        # (``rows`` and ``at`` may be the cached arrays themselves: read-only; the plan only
+        # reads them.)
         if decodes.at is None:
             at, rows = positions, every
         else:
