@@ -13,9 +13,9 @@ step:
   ``KVPages.seal_facts`` reads the pages for their syndromes and NaN/Inf test, then
   ``KVPages.digest`` hashes them in the pool again;
 - ``copy``: ``KVPages.seal_host_pages(copy=True)``: one copy of the pages, the digests hashed
-  from it, the fill check on its rows (``RowDigests.check_copy``), the syndromes and NaN/Inf test
-  over it (the seal from 2026-12-05 until the in-place seal; still the path where the pages
-  cannot be read by address);
+  from it, the fill check on its rows (``RowDigests.check_pages`` with the copy), the
+  syndromes and NaN/Inf test over it (the seal from 2026-12-05 until the in-place seal; still
+  the path where the pages cannot be read by address);
 - ``in place``: ``KVPages.seal_host_pages``: the pages read where they lie in the pool, a 4 MiB
   chunk at a time: hashed, then the fill check (``RowDigests.check_pages``), then the syndromes
   and NaN/Inf test, the last two from the CPU's cache.
@@ -75,11 +75,7 @@ def main() -> None:
             bad: list[np.ndarray] = []
 
             def fill_check(lo: int, ids: np.ndarray, pages_copy: np.ndarray | None) -> None:
-                expected = earlier[lo : lo + len(ids)]
-                if pages_copy is None:
-                    bad.append(rows.check_pages(ids, expected))
-                else:
-                    bad.append(rows.check_copy(pages_copy, expected))
+                bad.append(rows.check_pages(ids, earlier[lo : lo + len(ids)], pages_copy))
 
             pages.seal_host_pages(seal, check_finite=True, visit=fill_check, copy=copy)
             assert not any(len(b) for b in bad)

@@ -104,11 +104,7 @@ def main() -> None:
         earlier = rows.rows[ids]
 
         def fill_check(lo: int, part: np.ndarray, pages_copy: np.ndarray | None) -> None:
-            expected = earlier[lo : lo + len(part)]
-            if pages_copy is None:
-                rows.check_pages(part, expected)
-            else:
-                rows.check_copy(pages_copy, expected)
+            rows.check_pages(part, earlier[lo : lo + len(part)], pages_copy)
 
         for name, by_copy in (("whole seal, copy", True), ("whole seal, in place", False)):
             timed(

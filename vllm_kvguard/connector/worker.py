@@ -1053,8 +1053,7 @@ class KVGuardWorker:
         bad: list[np.ndarray] = []
 
         def fill_check(lo: int, ids: np.ndarray, pages: np.ndarray | None) -> None:
-            expected = earlier[lo : lo + len(ids)]
-            changed = rows.check_pages(ids, expected) if pages is None else rows.check_copy(pages, expected)
+            changed = rows.check_pages(ids, earlier[lo : lo + len(ids)], pages)
             if len(changed):
                 bad.append(changed + lo * self.block_size)
 

@@ -335,7 +335,7 @@ class KVPages:
         ``block_ids[lo:lo + len(ids)]``; ``pages`` is None where the pages are read in place
         (:attr:`reads_in_place`), else the chunk's copy, (layers, pages, elements) in the
         pool's lanes, which it must not keep or change (the seal's fill check digests the
-        earlier rows there: :meth:`RowDigests.check_pages`, :meth:`RowDigests.check_copy`).
+        earlier rows there: :meth:`RowDigests.check_pages`).
         ``copy``: copy the pages out even where they could be read in place (tests, benchmarks).
         Only where :attr:`seals_host_pages`."""
         n = len(block_ids)
@@ -383,14 +383,16 @@ class KVPages:
         layers = self.num_layers
         elements = views[0].shape[2]
         per_block = layers * elements
-        if self._page_at is not None and not copy and rowhash.compiled() is not None:
+        if self.reads_in_place and not copy:
+            assert self._page_at is not None
             chunk = max(1, self.CHUNK_BYTES // (per_block * views[0].itemsize))
             for lo in range(0, len(ids), chunk):
                 part = ids[lo : lo + chunk]
                 k = len(part)
                 if digests is not None:
+                    listed = part.tolist()
                     for layer in range(layers):
-                        digests[lo : lo + k, layer] = self._digest_layer(layer, part.tolist())
+                        digests[lo : lo + k, layer] = self._digest_layer(layer, listed)
                 if visit is not None:
                     visit(lo, part, None)
                 if not (with_syndromes or check):
@@ -402,7 +404,9 @@ class KVPages:
                     self.page_bytes[0],
                     self._word_test if check else None,
                 )
-                assert facts is not None  # compiled, every address aligned: checked above
+                # (compiled, every address aligned: checked above; a page too large for the
+                # syndromes to address fails numpy's passes as well)
+                assert facts is not None
                 self._take_facts(facts, lo, k, with_syndromes, check, flags, syn)
             return
         if self._scratch is None:

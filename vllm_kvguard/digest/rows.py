@@ -635,39 +635,37 @@ class RowDigests:
             return np.zeros(0, dtype=np.int64)
         return np.flatnonzero(self.hash(blocks, slots) != self.rows[blocks, slots])
 
-    def check_pages(self, ids: np.ndarray, expected: np.ndarray) -> np.ndarray:
-        """:meth:`check` of whole pages where they lie in the pool (blocks ``ids``):
-        ``expected`` (pages, slots) holds the digests the rows must still have (0: a row not
-        checked). Returns the flat indices (page x slots + slot) of the rows that changed.
-        Every row of every page is summed in place by rowhash's ``page_sums`` (the few not
-        wanted cost less than picking out the rest); where the layout has no such plan
-        (:attr:`HostRows.copy_plan`) or numba is missing, the wanted rows are gathered."""
+    def check_pages(
+        self, ids: np.ndarray, expected: np.ndarray, copy: np.ndarray | None = None
+    ) -> np.ndarray:
+        """:meth:`check` of whole pages (blocks ``ids``), where they lie in the pool or, with
+        ``copy``, in a copy of them (layers, pages, page elements: :meth:`KVPages.seal_host_pages`
+        where it copies them): ``expected`` (pages, slots) holds the digests the rows must
+        still have (0: a row not checked). Returns the flat indices (page x slots + slot) of the
+        rows that changed. Every row of every page is summed in place by rowhash's
+        ``page_sums`` (the few not wanted cost less than picking out the rest); where the
+        layout has no such plan (:attr:`HostRows.copy_plan`) or numba is missing, the copy's
+        rows are transposed out of it (:meth:`HostRows.page_rows`), and the wanted rows are
+        gathered out of the pool."""
         assert self.host is not None
         wanted = np.flatnonzero(expected)
         if not len(wanted):
             return wanted
         host = self.host
-        ids = np.asarray(ids, dtype=np.int64)
-        if ids.min() < 0 or ids.max() >= host.num_blocks:  # (read by address below)
-            raise IndexError(f"block ids outside the pool's {host.num_blocks} blocks")
-        got = None if host.page_at is None else self._page_digests(host, host.page_at, host.page_bytes, ids)
-        if got is None:
-            bs = self.block_size
-            now = self.hash(ids[wanted // bs], wanted % bs)
-            return wanted[now != expected.reshape(-1)[wanted]]
-        return wanted[got[wanted] != expected.reshape(-1)[wanted]]
-
-    def check_copy(self, pages: np.ndarray, expected: np.ndarray) -> np.ndarray:
-        """:meth:`check_pages` over pages given as a copy (layers, pages, page elements:
-        :meth:`KVPages.seal_host_pages` where it copies them)."""
-        assert self.host is not None
-        wanted = np.flatnonzero(expected)
-        if not len(wanted):
-            return wanted
-        got = self._copy_digests(self.host, pages)
-        if got is None:
-            raw = self.host.page_rows(pages)
-            got = rowhash.digest_rows(raw, self._slot_run(len(expected)))
+        if copy is not None:
+            got = self._copy_digests(host, copy)
+            if got is None:
+                got = rowhash.digest_rows(host.page_rows(copy), self._slot_run(len(expected)))
+        else:
+            ids = np.asarray(ids, dtype=np.int64)
+            if ids.min() < 0 or ids.max() >= host.num_blocks:  # (read by address below)
+                raise IndexError(f"block ids outside the pool's {host.num_blocks} blocks")
+            got = (
+                None if host.page_at is None else self._page_digests(host, host.page_at, host.page_bytes, ids)
+            )
+            if got is None:
+                bs = self.block_size
+                return wanted[self.hash(ids[wanted // bs], wanted % bs) != expected.reshape(-1)[wanted]]
         return wanted[got[wanted] != expected.reshape(-1)[wanted]]
 
     def _copy_digests(self, host: HostRows, pages: np.ndarray) -> np.ndarray | None:

@@ -499,5 +499,5 @@ def test_the_fill_check_reads_vllms_cpu_pages_in_place_with_the_digests_of_the_r
     assert in_pool is not None and np.array_equal(in_pool, got)
     rows.record(b, s)
     layers[1][1].view(-1)[int(host.elements[5][2])] += 1.0  # a K element of row (1, 5), layer 1
-    assert rows.check_copy(copy(), rows.rows[ids]).tolist() == [block_size + 5]
+    assert rows.check_pages(np.array(ids), rows.rows[ids], copy()).tolist() == [block_size + 5]
     assert rows.check_pages(np.array(ids), rows.rows[ids]).tolist() == [block_size + 5]

@@ -231,8 +231,8 @@ def test_rows_of_a_copy_of_whole_pages_are_the_rows_gathered_from_the_pool(dtype
     rowhash's page_sums), else through HostRows.page_rows (the same bytes, in the same order,
     as gathering each row from the pool, through the strided views and through the element
     map) or, in the pool, by gathering the rows asked for; each gives every row's digest;
-    check_pages and check_copy find exactly the rows changed after they were recorded and
-    ignore rows not asked for."""
+    check_pages, in the pool and in the copy, finds exactly the rows changed after they were
+    recorded and ignores rows not asked for."""
     from vllm_kvguard.digest import rowhash
     from vllm_kvguard.digest.pages import KVPages
     from vllm_kvguard.digest.rows import HostRows
@@ -268,7 +268,7 @@ def test_rows_of_a_copy_of_whole_pages_are_the_rows_gathered_from_the_pool(dtype
         assert host.copy_plan is None and in_place is None
     rows.record(b[:-1], s[:-1])  # every row but the last page's last
     expected = rows.rows[ids]
-    assert rows.check_copy(copy, expected).tolist() == []
+    assert rows.check_pages(ids, expected, copy).tolist() == []
     assert rows.check_pages(ids, expected).tolist() == []
     layers[2][2].view(-1)[int(host.elements[1][3])] += 1.0  # row (2, 1), third layer
     layers[0][5].view(-1)[int(host.elements[3][0])] += 1.0  # row (5, 3): not recorded
@@ -276,10 +276,10 @@ def test_rows_of_a_copy_of_whole_pages_are_the_rows_gathered_from_the_pool(dtype
     pages.seal_host_pages(
         ids.tolist(), check_finite=False, visit=lambda lo, i, c: copies.append(c.copy()), copy=True
     )
-    assert rows.check_copy(copies[0], expected).tolist() == [1 * BS + 1]
+    assert rows.check_pages(ids, expected, copies[0]).tolist() == [1 * BS + 1]
     assert rows.check_pages(ids, expected).tolist() == [1 * BS + 1]
     assert rows.check(b[:-1], s[:-1]).tolist() == [BS + 1]
-    assert rows.check_copy(copies[0], np.zeros_like(expected)).tolist() == []
+    assert rows.check_pages(ids, np.zeros_like(expected), copies[0]).tolist() == []
     assert rows.check_pages(ids, np.zeros_like(expected)).tolist() == []
     with pytest.raises(IndexError, match="outside the pool's 9 blocks"):
         rows.check_pages(np.array([2, 9]), expected[:2])
