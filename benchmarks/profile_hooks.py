@@ -96,7 +96,22 @@ def main() -> None:
 
         patches._KV_WRITE_OBSERVER = observed
         hooks.append("kv write (in the forward)")
+    # Bytes the guard hashes in the timed call, by what for (seal, verify, ...): the floor under
+    # its time is hashing them (below).
+    from vllm_kvguard.core.counters import GuardCounters
+
+    hashed: dict[str, float] = {}
+    add = GuardCounters.add
+
+    def counted(self: Any, key: str, n: float = 1, label: str | None = None) -> None:
+        if key == "bytes_hashed" and counting:
+            hashed[label or ""] = hashed.get(label or "", 0) + n
+        add(self, key, n, label)
+
+    GuardCounters.add = counted  # type: ignore[method-assign]
+    counting = False
     llm.generate([p for w in WARMUP.waves() for p in w], SamplingParams(max_tokens=8), use_tqdm=False)
+    counting = True
     totals.clear()
     cpu.clear()
     prompts = [p for w in work.waves() for p in w]
@@ -113,6 +128,7 @@ def main() -> None:
     start, cpu_start = time.perf_counter(), time.thread_time()
     llm.generate(prompts, params, use_tqdm=False)
     elapsed, cpu_elapsed = time.perf_counter() - start, time.thread_time() - cpu_start
+    counting = False
     if lines is not None:
         lines.disable_by_count()
     if profiler is not None:
@@ -140,8 +156,40 @@ def main() -> None:
                 f"  {name:28s} {len(values):5d} calls {total * 1e3:8.1f} ms {per_call:8.1f} us/call"
                 f" {cpu_us:8.1f} us CPU/call"
             )
+    steps = len(totals.get("build_connector_meta", [])) or 1
+    cache = llm.llm_engine.vllm_config.cache_config
+    page = 2 * int(cache.block_size) * 8 * 64 * 2  # a layer's K and V of one block: 8 KV heads of 64, bf16
+    floor = _xxh3_seconds(page, int(sum(hashed.values())))
+    per_step = ", ".join(f"{k} {v / steps / 2**20:.2f} MiB" for k, v in sorted(hashed.items()))
+    print(
+        f"  bytes hashed a step: {per_step};"
+        f" XXH3 over as many {page >> 10} KiB pages, out of memory: {floor * 1e3:.1f} ms"
+        f" ({floor / elapsed:.2%} of generate(): the floor under hashing them)"
+    )
     if lines is not None:
         lines.print_stats(output_unit=1e-6, stripzeros=True)
+
+
+def _xxh3_seconds(page: int, total: int) -> float:
+    """Seconds XXH3 takes over ``total`` bytes in pages of ``page`` bytes read out of memory
+    (a 512 MiB buffer walked page by page, median of 3 walks), scaled to ``total``."""
+    import statistics
+
+    import numpy as np
+    import xxhash
+
+    if not total:
+        return 0.0
+    buf = np.ones(512 << 20, dtype=np.uint8)
+    view = memoryview(buf)
+    h = xxhash.xxh3_64_intdigest
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for at in range(0, len(buf) - page + 1, page):
+            h(view[at : at + page])
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs) * total / len(buf)
 
 
 def _line_profiler(spec: str) -> Any:
