@@ -17,7 +17,10 @@ and again at once ("warm"):
   seventh round (numpy views of K and V handed to a compiled loop over arrays: the rows' KVG64
   terms summed, a 64-byte probe kept; that loop is kept here for the comparison) and since the
   eighth (``WrittenRows.observe`` as the worker calls it: the tensors' layout checked, then
-  rowhash's ``add_layer`` given addresses and strides).
+  rowhash's ``add_layer`` given addresses and strides);
+- ``bool array .any()`` / ``np.count_nonzero``: whether any of 128 flags is set, by numpy's
+  reduction machinery or by its direct count (the guard's step uses the count since
+  2026-12-05).
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ def main() -> None:
     sum_by_address()
     assert np.array_equal(written.sums[:n], sums) and np.array_equal(written.probe[:n, 1], probe[:, 1])
 
+    lost = np.zeros(n, dtype=bool)  # a step's per-row flags, tested for any set
     cases: list[tuple[str, Callable[[], object]]] = [
         ("numpy, 3 ops", numpy_ops),
         ("numpy, 3 ops twice", numpy_twice),
@@ -122,6 +126,8 @@ def main() -> None:
         ("copy a layer's rows", copy_layer),
         ("sum a layer's rows", sum_layer),
         ("... by address", sum_by_address),
+        ("bool array .any()", lambda: lost.any()),
+        ("np.count_nonzero", lambda: np.count_nonzero(lost)),
     ]
     flush = np.ones(a.flush_mib << 20, dtype=np.uint8)
     times: dict[str, list[float]] = {}

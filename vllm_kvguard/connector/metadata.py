@@ -22,6 +22,15 @@ from vllm_kvguard.core.shapes import Shape
 from vllm_kvguard.digest import PendingCheck
 from vllm_kvguard.digest.kernel import MISMATCH, NONFINITE
 
+# Shared by every step's metadata that has no lost-write rows (read-only; one is made per step
+# otherwise, at ~10 µs a numpy call in the engine: docs/design.md, "Cold calls").
+_NO_ROWS = np.zeros(0, dtype=bool)
+_NO_ROWS.flags.writeable = False
+
+
+def _no_rows() -> np.ndarray:
+    return _NO_ROWS
+
 
 @dataclass
 class KVGuardMetadata(KVConnectorMetadata):
@@ -42,7 +51,9 @@ class KVGuardMetadata(KVConnectorMetadata):
     zero: list[int] = field(default_factory=list)
     # Per row of plan.written_blocks: its block's previous owner wrote a different computation at
     # that page position, so the row reading back as that owner's is a lost write (digest/rows.py).
-    lost_write_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    # Empty where no row of the step could tell one (the usual step: the worker then tests its
+    # length, not every row).
+    lost_write_rows: np.ndarray = field(default_factory=_no_rows)
 
     @property
     def step(self) -> int:

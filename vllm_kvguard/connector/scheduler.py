@@ -351,7 +351,9 @@ class KVGuardScheduler:
         ):
             self._check_identity(plan, meta)
         if len(plan.written_blocks):
-            meta.lost_write_rows = self.ledger.lost_write_rows(plan.written_blocks)
+            lost = self.ledger.lost_write_rows(plan.written_blocks)
+            if np.count_nonzero(lost):
+                meta.lost_write_rows = lost
         if self.scrubber is not None:
             self._plan_scrub(meta, now)
         if self._invalidate_next:
@@ -510,7 +512,7 @@ class KVGuardScheduler:
             sealed = set(plan.seal)
             filling = sorted({b for b in plan.written_blocks.tolist() if b not in sealed})
             meta.inject = self.faults.inject(plan.step, filling, self._num_layers, FaultSite.FILLING)
-        if meta.lost_write_rows.any() and not meta.inject:
+        if len(meta.lost_write_rows) and not meta.inject:
             # A page's first writes of its new owner: what they replace is the previous owner's.
             given = set(plan.given)
             checked = np.unique(plan.written_blocks[meta.lost_write_rows]).tolist()

@@ -340,7 +340,8 @@ class KVGuardWorker:
         self._layer_index: dict[str, int] = {}
         self._reads_left: set[int] = set()
         self._read_blocks: list[int] = []
-        self._read_expected = np.zeros((0, 0), dtype=np.uint64)
+        # Per layer, the seals of _read_blocks (host table), as Python ints.
+        self._read_expected: list[list[int]] = []
         self._read_seconds = 0.0
         # Device checks whose worker-side effect (forgetting bad seals) has not run yet;
         # the step's checks also travel in the worker metadata, settled with its output.
@@ -555,7 +556,7 @@ class KVGuardWorker:
             assert self.pages is not None
             self._reads_left = set(range(self.pages.num_layers))
             self._read_blocks = []
-            self._read_expected = np.zeros((0, self.pages.num_layers), dtype=np.uint64)
+            self._read_expected = [[] for _ in range(self.pages.num_layers)]
             self._read_seconds = 0.0
         if plan.read_verify:
             assert self.pages is not None
@@ -563,7 +564,7 @@ class KVGuardWorker:
             # Resolved once per step (blocks, their seals), reused by every layer's hook.
             self._read_blocks = self.table.sealed_only(plan.read_verify)
             if not isinstance(self.table, DeviceDigestTable):
-                self._read_expected = self.table.digests[self._read_blocks]
+                self._read_expected = self.table.digests[self._read_blocks].T.tolist()
             self._read_seconds = 0.0
             self.counters.add("verified", len(self._read_blocks), label=meta.read_trigger)
 
@@ -589,7 +590,7 @@ class KVGuardWorker:
             meta.plan.readers if kind == "partial_mismatch" else {},
             kind,
             self.config.mode != Mode.LOG,
-            lost=meta.lost_write_rows if kind == "write_lost" else None,
+            lost=meta.lost_write_rows if kind == "write_lost" and len(meta.lost_write_rows) else None,
         )
         self._worker_meta().pending.append(deferred)
         if kind == "partial_mismatch":  # a lost write needs nothing of the worker once read
@@ -840,13 +841,11 @@ class KVGuardWorker:
         bad: set[int] = set()
         for layer in layers:
             actual = self.pages.digest_layer(layer, blocks)
-            expected = self._read_expected[:, layer]
-            if (expected == actual).all():
+            expected = self._read_expected[layer]
+            if actual == expected:
                 continue
-            for row in np.flatnonzero(expected != actual).tolist():
-                shape, where, repaired = self._diagnose(
-                    blocks[row], layer, int(expected[row]), int(actual[row])
-                )
+            for row in [i for i, (e, a) in enumerate(zip(expected, actual, strict=True)) if e != a]:
+                shape, where, repaired = self._diagnose(blocks[row], layer, expected[row], actual[row])
                 if not repaired:
                     bad.add(blocks[row])
                 self._worker_meta().detections.append(
@@ -854,8 +853,8 @@ class KVGuardWorker:
                         self.rank,
                         blocks[row],
                         self.pages.names[layer],
-                        int(expected[row]),
-                        int(actual[row]),
+                        expected[row],
+                        actual[row],
                         (),
                         meta.read_trigger,
                         meta.step,
@@ -999,7 +998,7 @@ class KVGuardWorker:
         if len(plan.written_blocks):
             blocks = np.asarray(plan.written_blocks, dtype=np.int64)
             slots = np.asarray(plan.written_slots, dtype=np.int64)
-            lost = bool(meta.lost_write_rows.any())
+            lost = len(meta.lost_write_rows) > 0
             recorded = self.rows.record_async(blocks, slots, compare=lost)
             self._defer_rows(recorded, meta, blocks, slots, "write", kind="write_lost")
             self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
@@ -1034,7 +1033,7 @@ class KVGuardWorker:
             slots = np.asarray(plan.written_slots, dtype=np.int64)
             same = self._record_rows(blocks, slots)
             self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="seal")
-            if meta.lost_write_rows.any() and same.any():
+            if len(meta.lost_write_rows) and np.count_nonzero(same):
                 checked = same & meta.lost_write_rows
                 self._lost_writes(meta, blocks[checked], slots[checked])
         self.counters.observe("verify_seconds", time.perf_counter() - start)
@@ -1130,7 +1129,7 @@ class KVGuardWorker:
         if use.all():
             self.rows_as_written += len(use)
             return self.rows.record(blocks, slots, written.digests(positions), written.probe[positions])
-        if not use.any():
+        if not np.count_nonzero(use):
             return self.rows.record(blocks, slots)
         same = np.zeros(len(blocks), dtype=bool)
         mine = np.flatnonzero(use)
@@ -1207,7 +1206,7 @@ class KVGuardWorker:
         assert self.pages is not None
         if meta.inject:
             self._worker_meta().verified_steps.add(meta.step)
-        if not bad.any():
+        if not np.count_nonzero(bad):
             return False
         rows, cols = np.nonzero(bad)
         for r, c in zip(rows.tolist(), cols.tolist(), strict=True):

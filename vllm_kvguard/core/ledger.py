@@ -393,7 +393,7 @@ class BlockLedger:
         else:
             at, rows = decodes.at, every[decodes.at]
         fetched = None
-        if self._last_decodes is None and (rows < 0).any():
+        if self._last_decodes is None and np.count_nonzero(rows < 0):
             # First sight of a running request: its table from vLLM.
             fetched = rows < 0
             rows = rows.copy()
@@ -457,7 +457,7 @@ class BlockLedger:
             else:
                 col = nc // bs
                 over = col >= self._table_len[d_rows]
-                if over.any():
+                if np.count_nonzero(over):
                     for i in np.flatnonzero(over).tolist():  # a table the views did not show whole
                         req_id = decodes.req_ids[d_index[i]]
                         self._set_table(req_id, decodes.block_ids(req_id))
@@ -524,7 +524,7 @@ class BlockLedger:
         req_ids = [names[i] for i in d_index[grown].tolist()]
         ends = self._table_len[rows]
         append = np.ones(len(grown), dtype=bool) if fetched is None else ~fetched[grown]
-        if append.any():
+        if np.count_nonzero(append):
             self._widen(int(ends[append].max()) + 1)
             self._table[rows[append], ends[append]] = blocks[append]
             self._table_len[rows[append]] += 1
@@ -540,12 +540,12 @@ class BlockLedger:
         go through :meth:`_allocate` one request at a time, with its messages."""
         states = self.state[blocks]
         odd = (states == QUARANTINED) | (states == FILLING)
-        if odd.any() or len(np.unique(blocks)) != len(blocks):
+        if np.count_nonzero(odd) or len(np.unique(blocks)) != len(blocks):
             for i, req_id in enumerate(req_ids):
                 self._allocate(req_id, blocks[i : i + 1], plan)
             return
         sealed = states == SEALED
-        if sealed.any():
+        if np.count_nonzero(sealed):
             plan.forget.extend(blocks[sealed].tolist())
             for i in np.flatnonzero(sealed & (self.held[blocks] > 0)).tolist():
                 self._taken_from_reader(int(blocks[i]), req_ids[i])
@@ -657,12 +657,12 @@ class BlockLedger:
     def _allocate(self, req_id: str, blocks: np.ndarray, plan: StepPlan) -> None:
         states = self.state[blocks]
         quarantined = states == QUARANTINED
-        if quarantined.any():
+        if np.count_nonzero(quarantined):
             for block in blocks[quarantined].tolist():
                 self.violations.append(LifecycleViolation(block, req_id, Violation.QUARANTINED_ALLOCATED))
             blocks, states = blocks[~quarantined], states[~quarantined]
         sealed = states == SEALED
-        if sealed.any():
+        if np.count_nonzero(sealed):
             plan.forget.extend(blocks[sealed].tolist())
             # A full page leaves the prefix cache for a new writer only when nobody holds it:
             # one still in a live request's block table is being taken from its reader.
@@ -696,7 +696,7 @@ class BlockLedger:
             else:
                 readers.append(req_id)
         quarantined = states == QUARANTINED
-        if quarantined.any():
+        if np.count_nonzero(quarantined):
             for block in blocks[quarantined].tolist():
                 self.violations.append(LifecycleViolation(block, req_id, Violation.QUARANTINED_REUSED))
         # Filled by another request in this same step (not sealed yet), or loaded by
@@ -704,7 +704,7 @@ class BlockLedger:
         unsealed = (states == FILLING) | (states == FREE)
         plan.unverified_hits += int(np.count_nonzero(unsealed))
         free = states == FREE
-        if free.any():
+        if np.count_nonzero(free):
             self.state[blocks[free]] = FILLING
             self.writer_of[blocks[free]] = self._number(req_id)
         self._hold(self._number(req_id), blocks)
@@ -742,7 +742,7 @@ class BlockLedger:
     def oldest_unverified_age(self, now: float) -> float:
         """Seconds since the least recently sealed-or-verified sealed page was checked."""
         sealed = self.state == SEALED
-        if not sealed.any():
+        if not np.count_nonzero(sealed):
             return 0.0
         return max(0.0, now - float(self.checked_at[sealed].min()))
 
@@ -819,7 +819,7 @@ class BlockLedger:
         # One numpy pass instead of a Python test per page: keep sealed pages, first
         # occurrence of each (pages shared by several requests are read once).
         states = self.state[ids]
-        if (states == FREE).any():
+        if np.count_nonzero(states == FREE):
             # A computed block of a running request that the ledger saw released: a
             # stale block table. Rare, so the owner lookup is per block here.
             for i in np.flatnonzero(states == FREE).tolist():

@@ -231,14 +231,15 @@ class KVPages:
             ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.geometry.device)
             return self.geometry.launch(ids)[0].cpu().view(torch.int64).numpy().view(np.uint64)
         for layer in range(self.num_layers):
-            out[:, layer] = self._digest_layer(layer, block_ids)
+            out[:, layer] = self.digest_layer(layer, block_ids)
         return out
 
-    def digest_layer(self, layer: int, block_ids: Sequence[int]) -> np.ndarray:
-        """Digests of the given blocks for one layer, shape (len(block_ids),), uint64."""
-        return np.asarray(self._digest_layer(layer, block_ids) if len(block_ids) else [], dtype=np.uint64)
-
-    def _digest_layer(self, layer: int, block_ids: Sequence[int]) -> list[int]:
+    def digest_layer(self, layer: int, block_ids: Sequence[int]) -> list[int]:
+        """Digests of the given blocks for one layer, as Python ints: a step's reads are
+        compared with their seals in Python (no numpy call per layer between two attention
+        layers)."""
+        if not len(block_ids):
+            return []
         runs = self._runs[layer]
         if self.use_kernel:
             # One launch per layer for all the step's pages; .cpu() waits for it.
@@ -392,7 +393,7 @@ class KVPages:
                 if digests is not None:
                     listed = part.tolist()
                     for layer in range(layers):
-                        digests[lo : lo + k, layer] = self._digest_layer(layer, listed)
+                        digests[lo : lo + k, layer] = self.digest_layer(layer, listed)
                 if visit is not None:
                     visit(lo, part, None)
                 if not (with_syndromes or check):
