@@ -751,17 +751,41 @@ class KVGuardWorker:
         if not block_ids:
             return set()
         start = time.perf_counter()
-        blocks, slots = self.rows.written(block_ids)
-        if isinstance(self.rows, DeviceRowDigests):
-            self._defer_rows(self.rows.check_async(blocks, slots), meta, blocks, slots, trigger)
-            self._worker_meta().verified_steps.add(meta.step)
-            found: set[int] = set()
+        if self.rows.host is not None and not isinstance(self.rows, DeviceRowDigests):
+            # The pages' rows summed where they lie, compared, in one compiled call
+            # (RowDigests.check_pages; it gathers the rows where it cannot).
+            ids = np.asarray(block_ids, dtype=np.int64)
+            expected = self.rows.rows[ids]
+            changed, rows, pages = self.rows.check_pages_counted(ids, expected)
+            found = self._page_findings(meta, ids, expected, changed, trigger) if rows else set()
         else:
-            found = self._row_findings(meta, blocks, slots, self.rows.check(blocks, slots), trigger)
-        self.counters.add("verified", len(np.unique(blocks)), label=trigger)
-        self.counters.add("bytes_hashed", len(blocks) * self.rows.row_bytes, label="verify")
+            blocks, slots = self.rows.written(block_ids)
+            rows, pages = len(blocks), len(np.unique(blocks))
+            if isinstance(self.rows, DeviceRowDigests):
+                self._defer_rows(self.rows.check_async(blocks, slots), meta, blocks, slots, trigger)
+                self._worker_meta().verified_steps.add(meta.step)
+                found = set()
+            else:
+                found = self._row_findings(meta, blocks, slots, self.rows.check(blocks, slots), trigger)
+        self.counters.add("verified", pages, label=trigger)
+        self.counters.add("bytes_hashed", rows * self.rows.row_bytes, label="verify")
         self.counters.observe("verify_seconds", time.perf_counter() - start)
         return found
+
+    def _page_findings(
+        self, meta: KVGuardMetadata, ids: np.ndarray, expected: np.ndarray, changed: np.ndarray, trigger: str
+    ) -> set[int]:
+        """:meth:`_row_findings` of :meth:`RowDigests.check_pages`' result: ``changed``, flat
+        indices (page x slots + slot) among the pages ``ids`` whose rows ``expected`` (pages x
+        slots, 0: not checked) were checked."""
+        if not len(changed):
+            self._worker_meta().verified_steps.add(meta.step)
+            return set()
+        written = np.flatnonzero(expected)
+        bs = self.block_size
+        return self._row_findings(
+            meta, ids[written // bs], written % bs, np.searchsorted(written, changed), trigger
+        )
 
     def _row_findings(
         self, meta: KVGuardMetadata, blocks: np.ndarray, slots: np.ndarray, bad: np.ndarray, trigger: str
@@ -1050,29 +1074,25 @@ class KVGuardWorker:
         assert self.rows is not None and self.pages is not None
         rows = self.rows
         bad: list[np.ndarray] = []
+        checked = 0
 
         def fill_check(lo: int, ids: np.ndarray, pages: np.ndarray | None) -> None:
-            changed = rows.check_pages(ids, earlier[lo : lo + len(ids)], pages)
+            nonlocal checked
+            changed, n, _ = rows.check_pages_counted(ids, earlier[lo : lo + len(ids)], pages)
+            checked += n
             if len(changed):
                 bad.append(changed + lo * self.block_size)
 
         flags, facts, digests = self.pages.seal_host_pages(
             seal, check_finite=self.config.nonfinite_mode is not None, visit=fill_check
         )
-        written = np.flatnonzero(earlier)
-        if len(written):
-            self.counters.add("bytes_hashed", len(written) * rows.row_bytes, label="seal")
+        if checked:
+            self.counters.add("bytes_hashed", checked * rows.row_bytes, label="seal")
             self._worker_meta().verified_steps.add(meta.step)
         if bad:
             # The same findings as the check before the seal: indices into every written row.
             ids = np.asarray(seal, dtype=np.int64)
-            changed = self._row_findings(
-                meta,
-                ids[written // self.block_size],
-                written % self.block_size,
-                np.searchsorted(written, np.concatenate(bad)),
-                "seal",
-            )
+            changed = self._page_findings(meta, ids, earlier, np.concatenate(bad), "seal")
             keep = ~np.isin(ids, list(changed))
             seal = ids[keep].tolist()
             flags, facts, digests = flags[keep], facts[keep], digests[keep]

@@ -162,6 +162,33 @@ def keep_written(blocks, slots, flat, block_size, sums, probe, land, spec, rows,
 
 
 @numba.njit(cache=True, nogil=True)
+def _sum_page(layer_at, page_bytes, block, upto, layer_words, lanes, runs, sums):
+    # sums[s] (s < upto) = the sum of row s's terms over every layer's page of ``block``:
+    # page_sums' loop for one page, its first ``upto`` slots only.
+    for s in range(upto):
+        sums[s] = _U(0)
+    for layer in range(layer_at.shape[0]):
+        page = layer_at[layer] + block * page_bytes
+        first = _U(layer * layer_words)
+        for m in range(lanes.shape[0]):
+            e0 = _halves_at(page + lanes[m, 1])
+            e1 = _halves_at(page + lanes[m, 2])
+            e2 = _halves_at(page + lanes[m, 3])
+            e3 = _halves_at(page + lanes[m, 4])
+            key = (first + _U(lanes[m, 0] + 1)) * _P5
+            for s in range(upto):
+                w = _U(e0[s]) | (_U(e1[s]) << _U(16)) | (_U(e2[s]) << _U(32)) | (_U(e3[s]) << _U(48))
+                a = key + _U(s) * _P3 + w * _P2
+                a = (a << _U(31)) | (a >> _U(33))
+                sums[s] += _mix(a * _P1)
+        for q in range(runs.shape[0]):
+            j0, count, off, step = runs[q, 0], runs[q, 1], runs[q, 2], runs[q, 3]
+            for s in range(upto):
+                key = (first + _U(j0)) * _P5 + _U(s) * _P3
+                sums[s] += _terms(_words_at(page + off + s * step), count, key)
+
+
+@numba.njit(cache=True, nogil=True)
 def page_sums(layer_at, page_bytes, ids, block_size, layer_words, lanes, runs, sums):
     # The sums of every row of whole pages, read where they lie (HostRows.copy_plan): layer L's
     # page of block ids[p] starts at layer_at[L] + ids[p] x page_bytes (the pool, or a copy
@@ -172,27 +199,41 @@ def page_sums(layer_at, page_bytes, ids, block_size, layer_words, lanes, runs, s
     # off + s x step.
     for p in range(ids.shape[0]):
         row = p * block_size
+        _sum_page(
+            layer_at, page_bytes, ids[p], block_size, layer_words, lanes, runs, sums[row : row + block_size]
+        )
+
+
+@numba.njit(cache=True, nogil=True)
+def page_changes(layer_at, page_bytes, ids, expected, layer_words, lanes, runs, sums, changed, counts):
+    # The rows of pages (read as page_sums reads them) whose digest is no longer ``expected``
+    # (pages x slots; 0: a row not checked): their flat indices p x slots + s go to ``changed``
+    # and their count is returned. A page's rows are summed up to its last checked row only
+    # (a page being filled reads its written rows, not the empty rest); sums: scratch of one
+    # page's rows. counts[0] += rows checked, counts[1] += pages with a row checked.
+    block_size = expected.shape[1]
+    found = 0
+    for p in range(ids.shape[0]):
+        upto = 0
         for s in range(block_size):
-            sums[row + s] = _U(0)
-        for layer in range(layer_at.shape[0]):
-            page = layer_at[layer] + ids[p] * page_bytes
-            first = _U(layer * layer_words)
-            for m in range(lanes.shape[0]):
-                e0 = _halves_at(page + lanes[m, 1])
-                e1 = _halves_at(page + lanes[m, 2])
-                e2 = _halves_at(page + lanes[m, 3])
-                e3 = _halves_at(page + lanes[m, 4])
-                key = (first + _U(lanes[m, 0] + 1)) * _P5
-                for s in range(block_size):
-                    w = _U(e0[s]) | (_U(e1[s]) << _U(16)) | (_U(e2[s]) << _U(32)) | (_U(e3[s]) << _U(48))
-                    a = key + _U(s) * _P3 + w * _P2
-                    a = (a << _U(31)) | (a >> _U(33))
-                    sums[row + s] += _mix(a * _P1)
-            for q in range(runs.shape[0]):
-                j0, count, off, step = runs[q, 0], runs[q, 1], runs[q, 2], runs[q, 3]
-                for s in range(block_size):
-                    key = (first + _U(j0)) * _P5 + _U(s) * _P3
-                    sums[row + s] += _terms(_words_at(page + off + s * step), count, key)
+            if expected[p, s] != _U(0):
+                upto = s + 1
+                counts[0] += 1
+        if upto == 0:
+            continue
+        counts[1] += 1
+        _sum_page(layer_at, page_bytes, ids[p], upto, layer_words, lanes, runs, sums)
+        for s in range(upto):
+            want = expected[p, s]
+            if want == _U(0):
+                continue
+            d = _mix(sums[s])
+            if d == _U(0):
+                d = _U(1)
+            if d != want:
+                changed[found] = p * block_size + s
+                found += 1
+    return found
 
 
 @numba.njit(cache=True, nogil=True)
@@ -244,5 +285,6 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "finish": finish,
     "keep_written": keep_written,
     "page_sums": page_sums,
+    "page_changes": page_changes,
     "page_facts": page_facts,
 }

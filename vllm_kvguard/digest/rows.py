@@ -497,6 +497,10 @@ class RowDigests:
         self.rows: np.ndarray = np.zeros((num_blocks, block_size), dtype=self._host_dtype)
         self.previous: np.ndarray = np.zeros((num_blocks, block_size), dtype=self._host_dtype)
         self._slots = np.zeros(0, dtype=np.int64)
+        # check_pages' compiled call: one page's row sums, and the changed rows' indices (grown
+        # to the largest check).
+        self._page_scratch = np.zeros(block_size, dtype=np.uint64)
+        self._changed = np.zeros(0, dtype=np.int64)
 
     def nbytes(self) -> int:
         return self.rows.nbytes + self.previous.nbytes
@@ -642,35 +646,45 @@ class RowDigests:
         ``copy``, in a copy of them (layers, pages, page elements: :meth:`KVPages.seal_host_pages`
         where it copies them): ``expected`` (pages, slots) holds the digests the rows must
         still have (0: a row not checked). Returns the flat indices (page x slots + slot) of the
-        rows that changed. Every row of every page is summed in place by rowhash's
-        ``page_sums`` (the few not wanted cost less than picking out the rest); where the
-        layout has no such plan (:attr:`HostRows.copy_plan`) or numba is missing, the copy's
-        rows are transposed out of it (:meth:`HostRows.page_rows`), and the wanted rows are
-        gathered out of the pool."""
+        rows that changed. One compiled call (rowhash's ``page_changes``) sums each page's rows in
+        place up to its last checked row (the few not checked below it cost less than picking
+        out the rest) and compares them; where the layout has no such plan
+        (:attr:`HostRows.copy_plan`) or numba is missing, the copy's rows are transposed out of
+        it (:meth:`HostRows.page_rows`), and the wanted rows are gathered out of the pool."""
+        return self.check_pages_counted(ids, expected, copy)[0]
+
+    def check_pages_counted(
+        self, ids: np.ndarray, expected: np.ndarray, copy: np.ndarray | None = None
+    ) -> tuple[np.ndarray, int, int]:
+        """:meth:`check_pages`, and how many rows and pages (with a row checked) it checked."""
         assert self.host is not None
+        host = self.host
+        expected = np.ascontiguousarray(expected, dtype=np.uint64)
+        if copy is not None:
+            layout = self._copy_layout(host, copy)
+        else:
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
+            if len(ids) and (ids.min() < 0 or ids.max() >= host.num_blocks):  # (read by address below)
+                raise IndexError(f"block ids outside the pool's {host.num_blocks} blocks")
+            layout = None if host.page_at is None else (host.page_at, host.page_bytes, ids)
+        if layout is not None:
+            found = self._page_changes(host, *layout, expected)
+            if found is not None:
+                return found
         wanted = np.flatnonzero(expected)
         if not len(wanted):
-            return wanted
-        host = self.host
+            return wanted, 0, 0
+        pages = int(np.count_nonzero(expected.any(axis=1)))
         if copy is not None:
-            got = self._copy_digests(host, copy)
-            if got is None:
-                got = rowhash.digest_rows(host.page_rows(copy), self._slot_run(len(expected)))
-        else:
-            ids = np.asarray(ids, dtype=np.int64)
-            if ids.min() < 0 or ids.max() >= host.num_blocks:  # (read by address below)
-                raise IndexError(f"block ids outside the pool's {host.num_blocks} blocks")
-            got = (
-                None if host.page_at is None else self._page_digests(host, host.page_at, host.page_bytes, ids)
-            )
-            if got is None:
-                bs = self.block_size
-                return wanted[self.hash(ids[wanted // bs], wanted % bs) != expected.reshape(-1)[wanted]]
-        return wanted[got[wanted] != expected.reshape(-1)[wanted]]
+            got = rowhash.digest_rows(host.page_rows(copy), self._slot_run(len(expected)))
+            return wanted[got[wanted] != expected.reshape(-1)[wanted]], len(wanted), pages
+        bs = self.block_size
+        changed = wanted[self.hash(ids[wanted // bs], wanted % bs) != expected.reshape(-1)[wanted]]
+        return changed, len(wanted), pages
 
-    def _copy_digests(self, host: HostRows, pages: np.ndarray) -> np.ndarray | None:
-        """Every row's digest of a copy of whole pages (layers, pages, page elements), read in
-        place (:meth:`_page_digests`); None where the copy's layout does not allow it."""
+    def _copy_layout(self, host: HostRows, pages: np.ndarray) -> tuple[np.ndarray, int, np.ndarray] | None:
+        """(layer_at, page_bytes, ids) of a copy of whole pages (layers, pages, page elements),
+        read as the pool is (:meth:`_page_digests`); None where its layout does not allow it."""
         layers, k = pages.shape[:2]
         if (
             layers != len(host.flat)
@@ -682,7 +696,40 @@ class RowDigests:
         ):
             return None
         at = pages.ctypes.data + pages.strides[0] * np.arange(layers, dtype=np.int64)
-        return self._page_digests(host, at, pages.strides[1], np.arange(k, dtype=np.int64))
+        return at, pages.strides[1], np.arange(k, dtype=np.int64)
+
+    def _copy_digests(self, host: HostRows, pages: np.ndarray) -> np.ndarray | None:
+        """Every row's digest of a copy of whole pages (layers, pages, page elements), read in
+        place (:meth:`_page_digests`); None where the copy's layout does not allow it."""
+        layout = self._copy_layout(host, pages)
+        return None if layout is None else self._page_digests(host, *layout)
+
+    def _page_changes(
+        self, host: HostRows, layer_at: np.ndarray, page_bytes: int, ids: np.ndarray, expected: np.ndarray
+    ) -> tuple[np.ndarray, int, int] | None:
+        """:meth:`check_pages_counted` by rowhash's ``page_changes``; None where there is no
+        plan or no numba."""
+        kernels = rowhash.compiled()
+        plan = host.copy_plan
+        if plan is None or kernels is None:
+            return None
+        lanes, runs = plan
+        if len(self._changed) < expected.size:
+            self._changed = np.empty(expected.size, dtype=np.int64)
+        counts = np.zeros(2, dtype=np.int64)
+        found = kernels["page_changes"](
+            layer_at,
+            page_bytes,
+            ids,
+            expected,
+            host.width * host.flat[0].itemsize // 8,
+            lanes,
+            runs,
+            self._page_scratch,
+            self._changed,
+            counts,
+        )
+        return self._changed[:found].copy(), int(counts[0]), int(counts[1])
 
     def _page_digests(
         self, host: HostRows, layer_at: np.ndarray, page_bytes: int, ids: np.ndarray

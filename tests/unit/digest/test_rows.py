@@ -30,17 +30,17 @@ def test_the_device_row_digest_matches_its_reference_bit_for_bit() -> None:
     assert expected[0] != row_digests_reference(rows[:1], [1])[0]
 
 
-def _packed_cache(num_blocks: int = 6) -> tuple[torch.Tensor, np.ndarray]:
+def _packed_cache(num_blocks: int = 6, bs: int = BS) -> tuple[torch.Tensor, np.ndarray]:
     """A page laid out like vLLM's CPU 'vec' layout: per head, K transposed (head x slots), then
     V (slots x head); the element map lists each slot's elements."""
     heads, head = 2, 8
-    cache = torch.randn(num_blocks, heads, BS, 2 * head)
-    index = np.arange(heads * BS * 2 * head).reshape(heads, 2, BS * head)
-    k = index[:, 0].reshape(heads, head, BS)  # K: element (d, slot)
-    v = index[:, 1].reshape(heads, BS, head)  # V: element (slot, d)
+    cache = torch.randn(num_blocks, heads, bs, 2 * head)
+    index = np.arange(heads * bs * 2 * head).reshape(heads, 2, bs * head)
+    k = index[:, 0].reshape(heads, head, bs)  # K: element (d, slot)
+    v = index[:, 1].reshape(heads, bs, head)  # V: element (slot, d)
     # In ascending order, as the probe finds them (cpu_slot_elements).
     elements = np.stack(
-        [np.sort(np.concatenate([k[:, :, s].ravel(), v[:, s, :].ravel()])) for s in range(BS)]
+        [np.sort(np.concatenate([k[:, :, s].ravel(), v[:, s, :].ravel()])) for s in range(bs)]
     )
     return cache, elements
 
@@ -283,3 +283,50 @@ def test_rows_of_a_copy_of_whole_pages_are_the_rows_gathered_from_the_pool(dtype
     assert rows.check_pages(ids, np.zeros_like(expected)).tolist() == []
     with pytest.raises(IndexError, match="outside the pool's 9 blocks"):
         rows.check_pages(np.array([2, 9]), expected[:2])
+
+
+def test_check_pages_in_one_compiled_call_finds_what_gathering_the_rows_finds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """check_pages sums each page's rows where they lie only up to its last checked row, and
+    compares them, in one compiled call (rowhash's page_changes): on pages being filled (the
+    leading rows checked), with gaps, and with none checked, it reports the same changed rows
+    and counts the same rows and pages as gathering the checked rows out of the pool; a
+    changed row that is not checked (below or past the last checked one) is never reported."""
+    from vllm_kvguard.digest import rowhash
+    from vllm_kvguard.digest.rows import HostRows
+
+    assert rowhash.compiled() is not None, rowhash.backend()
+    bs = 16
+    _, elements = _packed_cache(12, bs)
+    buffer = torch.randn(2, 12, 2, bs, 16).to(torch.bfloat16)
+    layers = [buffer[i] for i in range(2)]
+    host = HostRows(layers, elements)
+    assert host.copy_plan is not None and host.page_at is not None
+    rows = RowDigests(layers, [PackedRows(t, host.elements) for t in layers], 12, bs, host)
+    rng = np.random.default_rng(5)
+    ids = np.array([3, 11, 0, 7, 5], dtype=np.int64)
+    b, s = np.repeat(ids, bs), np.tile(np.arange(bs), len(ids))
+    rows.record(b, s)
+    expected = rows.rows[ids].copy()
+    expected[0, 5:] = 0  # a page being filled: rows 0-4 written
+    expected[1, :] = 0  # no row checked
+    expected[2, ::3] = 0  # gaps
+    expected[3, 1:] = 0  # one row
+    fallback = RowDigests(layers, [PackedRows(t, host.elements) for t in layers], 12, bs, host)
+    fallback.rows[:] = rows.rows
+
+    def both(want: list[int], counts: tuple[int, int]) -> None:
+        got, n, pages = rows.check_pages_counted(ids, expected)
+        with monkeypatch.context() as m:
+            m.setattr(rowhash, "compiled", lambda: None)  # no numba: the rows gathered
+            slow, n_slow, pages_slow = fallback.check_pages_counted(ids, expected)
+        assert got.tolist() == slow.tolist() == want
+        assert (n, pages) == (n_slow, pages_slow) == counts
+
+    checked = int(np.count_nonzero(expected))
+    both([], (checked, 4))
+    for page, slot in [(0, 2), (0, 9), (1, 4), (2, 3), (2, 4), (3, 0), (4, 15)]:
+        layers[rng.integers(2)][ids[page]].view(-1)[int(host.elements[slot][rng.integers(32)])] += 1.0
+    # (0, 9) past page 0's last checked row, (1, 4) on a page with none checked, (2, 3) a gap.
+    both([0 * bs + 2, 2 * bs + 4, 3 * bs + 0, 4 * bs + 15], (checked, 4))
