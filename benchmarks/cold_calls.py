@@ -18,6 +18,8 @@ and again at once ("warm"):
   terms summed, a 64-byte probe kept; that loop is kept here for the comparison) and since the
   eighth (``WrittenRows.observe`` as the worker calls it: the tensors' layout checked, then
   rowhash's ``add_layer`` given addresses and strides);
+- ``5 torch accessors``: a tensor's shape, strides, address, device test and dtype, as the
+  wrapper read them to check each layer's rows before 2026-12-05 (now once per layout);
 - ``bool array .any()`` / ``np.count_nonzero``: whether any of 128 flags is set, by numpy's
   reduction machinery or by its direct count (the guard's step uses the count since
   2026-12-05).
@@ -126,6 +128,7 @@ def main() -> None:
         ("copy a layer's rows", copy_layer),
         ("sum a layer's rows", sum_layer),
         ("... by address", sum_by_address),
+        ("5 torch accessors", lambda: (key.shape, key.stride(), key.data_ptr(), key.is_cpu, key.dtype)),
         ("bool array .any()", lambda: lost.any()),
         ("np.count_nonzero", lambda: np.count_nonzero(lost)),
     ]

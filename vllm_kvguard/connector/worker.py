@@ -198,6 +198,10 @@ class WrittenRows:
         self._slots_at = self._slots.ctypes.data
         self._half = width // 2  # elements of a row's K (and of its V) in one layer
         self.dtype = dtype
+        # The last (shapes, strides, dtypes) of K and V that _rows_at accepted, and their row
+        # steps in bytes: a layer written alike is not checked again.
+        self._form: tuple[object, ...] | None = None
+        self._steps = (0, 0)
         self.slots: np.ndarray | None = None
         self.seen: set[int] = set()
         self.open = False
@@ -254,7 +258,27 @@ class WrittenRows:
         elif self.slots is None or len(self.slots) != n:
             self.broken = True
             return
-        k, v = self._rows_at(key, n), self._rows_at(value, n)
+        # The layout is checked in full once per kind (every layer of a step has the same:
+        # vLLM's attention layers are alike); the other layers compare it (torch's accessors
+        # cost ~5 us each after a forward: benchmarks/cold_calls.py).
+        form = (
+            key.is_cpu and value.is_cpu,
+            key.shape,
+            key.stride(),
+            key.dtype,
+            value.shape,
+            value.stride(),
+            value.dtype,
+        )
+        if form == self._form:
+            k = v = None
+            k_at, v_at = key.data_ptr(), value.data_ptr()
+            if not (k_at | v_at) % 8:
+                k, v = (k_at, self._steps[0]), (v_at, self._steps[1])
+        else:
+            k, v = self._rows_at(key, n), self._rows_at(value, n)
+            if k is not None and v is not None:
+                self._form, self._steps = form, (k[1], v[1])
         if k is None or v is None:
             self.broken = True  # a layout the compiled loop does not read: rows read back
             return

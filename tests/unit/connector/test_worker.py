@@ -459,6 +459,52 @@ def test_written_rows_are_read_only_where_the_compiled_loop_can_read_them(case: 
     assert rows.find(np.zeros(n, dtype=np.int64), np.arange(n) * 3, 16) == (None, None)
 
 
+@pytest.mark.parametrize("case", ["heads_apart", "unaligned", "other_dtype", "short", "on_meta"])
+def test_a_layer_written_unlike_the_layer_before_it_is_checked_in_full(case: str) -> None:
+    """The wrapper checks the rows' layout in full once, and compares the next layers' with it
+    (shapes, strides, dtypes, host or not): a layer laid out otherwise, or at an address off an
+    8-byte boundary with the same layout, is checked in full and refused; layers laid out
+    alike give the sums of every layer's words."""
+    from vllm_kvguard.connector.worker import WrittenRows
+
+    n = 5
+    qkv = torch.randn(2, n, 56).to(torch.bfloat16)  # two layers' QKV outputs
+    good = [(qkv[i, :, 16:32].reshape(n, 2, 8), qkv[i, :, 32:48].reshape(n, 2, 8)) for i in range(2)]
+    key, value = good[1]
+    if case == "heads_apart":
+        key = qkv[1, :, 16:32].reshape(n, 8, 2).transpose(1, 2)
+    elif case == "unaligned":  # the same shape and strides, one element past a word
+        key = qkv[1, :, 17:33].reshape(n, 2, 8)
+    elif case == "other_dtype":
+        key = key.to(torch.float16)
+    elif case == "short":
+        key = key[: n - 1]
+    elif case == "on_meta":  # alike in every way but where it lives
+        key = torch.empty_strided(key.shape, key.stride(), dtype=key.dtype, device="meta")
+
+    class Cache:
+        def __init__(self, at: int) -> None:
+            self.at = at
+
+        def data_ptr(self) -> int:
+            return self.at
+
+    slots = torch.arange(n, dtype=torch.int64) * 3
+    rows = WrittenRows({10: 0, 20: 1}, 2, 32, torch.bfloat16, 16, np.array([[1, 1, 0, 2]]))
+    rows.begin()
+    rows.observe(*good[0], Cache(10), slots)  # type: ignore[arg-type]
+    assert not rows.broken and rows.seen == {0}
+    rows.observe(key, value, Cache(20), slots)  # type: ignore[arg-type]
+    assert rows.broken and rows.seen == {0}
+    rows.begin()  # the next step, laid out alike: every layer's rows kept
+    for layer, (k, v) in enumerate(good):
+        rows.observe(k, v, Cache(10 * (layer + 1)), slots)  # type: ignore[arg-type]
+    assert not rows.broken and rows.complete()
+    words = torch.cat([torch.cat([k.reshape(n, -1), v.reshape(n, -1)], dim=1) for k, v in good], dim=1)
+    want = rowhash._sums_numpy(words.view(torch.int16).numpy().view(np.uint64), np.arange(n) * 3)
+    assert np.array_equal(rows.sums[:n], want)
+
+
 @pytest.mark.parametrize(("heads", "head", "block_size"), [(1, 32, 16), (2, 64, 16), (4, 128, 32)])
 def test_the_fill_check_reads_vllms_cpu_pages_in_place_with_the_digests_of_the_rows_copied_out(
     heads: int, head: int, block_size: int
