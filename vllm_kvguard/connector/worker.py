@@ -355,6 +355,7 @@ class KVGuardWorker:
         self._step_start: float | None = None
         self._num_blocks = num_blocks
         self.pages: KVPages | None = None
+        self._every_layer: frozenset[int] = frozenset()
         self.table: DigestTable | None = None
         self._meta: KVGuardMetadata | None = None
         self._out: KVGuardWorkerMetadata | None = None
@@ -398,6 +399,7 @@ class KVGuardWorker:
             algorithm=HashAlgorithm.XXH3_64 if self.config.hash == HashAlgorithm.KVG64 else self.config.hash,
             use_kernel=use_kernel,
         )
+        self._every_layer = frozenset(range(self.pages.num_layers))
         by_storage = {t.data_ptr(): i for i, t in enumerate(self.pages.tensors)}
         self._layer_index = {
             name: by_storage[t.movedim(block_dim, 0).data_ptr()]
@@ -578,17 +580,18 @@ class KVGuardWorker:
         self._read_partial = plan.read_partial if self.rows is not None else []
         if self._read_partial and not plan.read_verify:
             assert self.pages is not None
-            self._reads_left = set(range(self.pages.num_layers))
+            self._reads_left = set(self._every_layer)
             self._read_blocks = []
             self._read_expected = [[] for _ in range(self.pages.num_layers)]
             self._read_seconds = 0.0
         if plan.read_verify:
             assert self.pages is not None
-            self._reads_left = set(range(self.pages.num_layers))
+            self._reads_left = set(self._every_layer)
             # Resolved once per step (blocks, their seals), reused by every layer's hook.
-            self._read_blocks = self.table.sealed_only(plan.read_verify)
-            if not isinstance(self.table, DeviceDigestTable):
-                self._read_expected = self.table.digests[self._read_blocks].T.tolist()
+            if isinstance(self.table, DeviceDigestTable):
+                self._read_blocks = self.table.sealed_only(plan.read_verify)
+            else:
+                self._read_blocks, self._read_expected = self.table.read_seals(plan.read_verify)
             self._read_seconds = 0.0
             self.counters.add("verified", len(self._read_blocks), label=meta.read_trigger)
 

@@ -496,6 +496,10 @@ class RowDigests:
             raise ValueError(f"a row of {self.row_bytes} bytes is not whole 64-bit words")
         self.rows: np.ndarray = np.zeros((num_blocks, block_size), dtype=self._host_dtype)
         self.previous: np.ndarray = np.zeros((num_blocks, block_size), dtype=self._host_dtype)
+        # Flat views of both (the tables are never reallocated, only written in place), as
+        # record_written's compiled call takes them every step.
+        self._rows_flat = self.rows.reshape(-1)
+        self._previous_flat = self.previous.reshape(-1)
         self._slots = np.zeros(0, dtype=np.int64)
         # check_pages' compiled call: one page's row sums, and the changed rows' indices (grown
         # to the largest check).
@@ -614,8 +618,8 @@ class RowDigests:
             probe,
             host.land,
             host.probe_spec,
-            self.rows.reshape(-1),
-            self.previous.reshape(-1),
+            self._rows_flat,
+            self._previous_flat,
             same,
             missed,
         )

@@ -86,6 +86,22 @@ class DigestTable:
         ids = np.asarray(block_ids, dtype=np.int64)
         return ids[self.sealed[ids]].tolist()
 
+    # Up to this many pages, read_seals looks them up in Python (a sampled step reads one or
+    # two: a handful of numpy calls costs more after a forward).
+    FEW_READS = 8
+
+    def read_seals(self, block_ids: Sequence[int]) -> tuple[list[int], list[list[int]]]:
+        """The sealed ones of ``block_ids`` and, per layer, their seals as Python ints (a
+        step's reads are compared with them in Python: KVGuardWorker._compare_reads)."""
+        if len(block_ids) > self.FEW_READS:
+            blocks = self.sealed_only(block_ids)
+            return blocks, self.digests[blocks].T.tolist()
+        sealed, digests = self.sealed, self.digests
+        blocks = [b for b in block_ids if sealed[b]]
+        if not blocks:
+            return [], [[] for _ in range(digests.shape[1])]
+        return blocks, [list(c) for c in zip(*(digests[b].tolist() for b in blocks), strict=True)]
+
     def compare(
         self, block_ids: Sequence[int], actual: np.ndarray, names: Sequence[str]
     ) -> list[PageMismatch]:

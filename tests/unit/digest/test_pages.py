@@ -86,6 +86,22 @@ def test_table_seal_forget_and_sealed_only() -> None:
     assert table.sealed_only([]) == []
 
 
+@pytest.mark.parametrize("few", [True, False])
+def test_read_seals_are_the_sealed_pages_and_their_seals_by_layer(few: bool) -> None:
+    """A step's reads: the sealed ones, in order, and their seals per layer as Python ints,
+    looked up in Python for a few pages and with numpy for more, alike."""
+    table = DigestTable(40, 3)
+    rng = np.random.default_rng(2)
+    sealed = list(range(0, 40, 3))
+    table.seal(sealed, rng.integers(1, 2**63, (len(sealed), 3), dtype=np.int64).view(np.uint64))
+    ids = [3, 4, 0, 9, 7] if few else [3, 4, 0, 9, 7, 12, 13, 15, 21, 22, 30]
+    assert (len(ids) <= table.FEW_READS) == few
+    blocks, seals = table.read_seals(ids)
+    assert blocks == [b for b in ids if b % 3 == 0]
+    assert seals == table.digests[blocks].T.tolist() and all(type(d) is int for d in seals[2])
+    assert table.read_seals([1, 2] if few else list(range(1, 40, 3))) == ([], [[], [], []])
+
+
 def test_empty_batches() -> None:
     pages = KVPages({"l0": _kv()})
     assert pages.digest([]).shape == (0, 1)
