@@ -27,7 +27,7 @@ change needs no migration.)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -708,16 +708,25 @@ class RowDigests:
         layout = self._copy_layout(host, pages)
         return None if layout is None else self._page_digests(host, *layout)
 
+    @staticmethod
+    def _in_place(host: HostRows) -> tuple[dict[str, Callable[..., Any]], np.ndarray, np.ndarray] | None:
+        """(rowhash's kernels, lanes, runs) to read whole pages' rows in place
+        (:attr:`HostRows.copy_plan`); None where the layout has no plan or numba is missing."""
+        kernels = rowhash.compiled()
+        plan = host.copy_plan
+        if plan is None or kernels is None:
+            return None
+        return kernels, plan[0], plan[1]
+
     def _page_changes(
         self, host: HostRows, layer_at: np.ndarray, page_bytes: int, ids: np.ndarray, expected: np.ndarray
     ) -> tuple[np.ndarray, int, int] | None:
         """:meth:`check_pages_counted` by rowhash's ``page_changes``; None where there is no
         plan or no numba."""
-        kernels = rowhash.compiled()
-        plan = host.copy_plan
-        if plan is None or kernels is None:
+        compiled = self._in_place(host)
+        if compiled is None:
             return None
-        lanes, runs = plan
+        kernels, lanes, runs = compiled
         if len(self._changed) < expected.size:
             self._changed = np.empty(expected.size, dtype=np.int64)
         counts = np.zeros(2, dtype=np.int64)
@@ -741,12 +750,12 @@ class RowDigests:
         """Every row's digest of the pages ``ids`` (layer L's page of block b at ``layer_at[L]
         + b x page_bytes``), read in place by rowhash's ``page_sums``
         (:meth:`HostRows._copy_plan`), page after page, slot after slot; None where there is no
-        plan or no numba."""
-        kernels = rowhash.compiled()
-        plan = host.copy_plan
-        if plan is None or kernels is None:
+        plan or no numba (tests and benchmarks compare every row's digest with the rows
+        gathered; the checks use :meth:`_page_changes`)."""
+        compiled = self._in_place(host)
+        if compiled is None:
             return None
-        lanes, runs = plan
+        kernels, lanes, runs = compiled
         sums = np.empty(len(ids) * self.block_size, dtype=np.uint64)
         kernels["page_sums"](
             layer_at,
