@@ -112,14 +112,23 @@ def compiled() -> ModuleType | None:
             from vllm_kvguard.core import _plankernels
 
             # Compile (or load from numba's cache) now, not in a step: the kinds the plan passes.
-            one = np.zeros(1, dtype=np.int64)
-            _plankernels.place_decodes(
-                one, one, np.zeros((1, 1), dtype=np.int32), one + 1, 16, np.empty((3, 1), dtype=np.int64)
-            )
+            for args in _warm_args():
+                _plankernels.place_decodes(*args)
             _compiled = _plankernels
         except Exception as exc:  # numba missing or unusable here: numpy computes the same
             _why_not = f"{type(exc).__name__}: {exc}"
     return _compiled
+
+
+def _warm_args() -> list[tuple[object, ...]]:
+    """place_decodes' arguments of every kind a step passes: the mirror rows are writeable, or
+    read-only where they are the cached rows of the last step's request list (numba compiles
+    each kind apart: one missed here would be compiled in a step, ~1 s)."""
+    one = np.zeros(1, dtype=np.int64)
+    cached = one.copy()
+    cached.flags.writeable = False
+    table = np.zeros((1, 1), dtype=np.int32)
+    return [(one, rows, table, one + 1, 16, np.empty((3, 1), dtype=np.int64)) for rows in (one, cached)]
 
 
 def backend() -> str:

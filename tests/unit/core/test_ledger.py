@@ -1,3 +1,5 @@
+from typing import Any
+
 import pytest
 
 from vllm_kvguard.core.ledger import BlockLedger, BlockState, ScheduledRequest, Violation
@@ -486,20 +488,24 @@ def _decode_run(
     a block given, a request whose mirrored table lacks its page, a quarantined page that
     fills), planned with the ledger's compiled placement or its numpy path; per step what
     the plan says and what the ledger holds after it."""
+    import numba
     import numpy as np
 
     from vllm_kvguard.core import ledger as ledger_module
     from vllm_kvguard.core.ledger import Decodes
 
-    calls = {"placed": 0, "fell back": 0}
+    calls: dict[str, Any] = {"placed": 0, "fell back": 0}
     kernels = ledger_module.compiled()
     assert kernels is not None, ledger_module.backend()
+
+    kinds = calls.setdefault("kinds", set())  # type: ignore[arg-type]
 
     class Counted:
         @staticmethod
         def place_decodes(*args):
             got = kernels.place_decodes(*args)
             calls["placed" if got[0] >= 0 else "fell back"] += 1
+            kinds.add(tuple(numba.typeof(a) for a in args))  # type: ignore[attr-defined]
             return got
 
     monkeypatch.setattr(ledger_module, "_compiled", Counted if use_compiled else None)
@@ -554,10 +560,18 @@ def test_compiled_decode_placement_plans_as_the_numpy_path(
     positions, pages filled and begun, decodes with no full page to read) gives the plans of
     its numpy path, step by step, sampled reads and paranoid; a decode whose page lies past its
     mirrored table sends the step to the numpy path."""
+    import numba
+
+    from vllm_kvguard.core import ledger as ledger_module
+
     compiled, calls = _decode_run(monkeypatch, True, budget)
     numpy_path, none = _decode_run(monkeypatch, False, budget)
     assert compiled == numpy_path
-    assert calls["placed"] == 11 and calls["fell back"] == 1 and none == {"placed": 0, "fell back": 0}
+    assert calls["placed"] == 11 and calls["fell back"] == 1 and none["placed"] == none["fell back"] == 0
+    # Every kind of arguments the steps passed (fresh and cached, read-only mirror rows among
+    # them) is one the ledger compiles when it is made: no step waits for numba.
+    warmed = {tuple(numba.typeof(a) for a in args) for args in ledger_module._warm_args()}
+    assert len(warmed) == 2 and calls["kinds"] and calls["kinds"] <= warmed
     seals = [step[2] for step in compiled]
     started = [step[4] for step in compiled]
     assert any(seals) and any(started) and all(step[6] for step in compiled)
