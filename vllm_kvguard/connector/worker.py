@@ -784,7 +784,7 @@ class KVGuardWorker:
             ids = np.asarray(block_ids, dtype=np.int64)
             expected = self.rows.rows[ids]
             changed, rows, pages = self.rows.check_pages_counted(ids, expected)
-            found = self._page_findings(meta, ids, expected, changed, trigger) if rows else set()
+            found = self._page_findings(meta, ids, expected, changed, trigger)
         else:
             blocks, slots = self.rows.written(block_ids)
             rows, pages = len(blocks), len(np.unique(blocks))
