@@ -22,8 +22,8 @@ from vllm_kvguard.core.shapes import Shape
 from vllm_kvguard.digest import PendingCheck
 from vllm_kvguard.digest.kernel import MISMATCH, NONFINITE
 
-# Shared by every step's metadata that has no lost-write rows (read-only; one is made per step
-# otherwise, at ~10 µs a numpy call in the engine: docs/design.md, "Cold calls").
+# Shared by every step's metadata that has no lost-write rows (read-only; one would be made per
+# step otherwise, and numpy calls are dear after a forward: benchmarks/cold_calls.py).
 _NO_ROWS = np.zeros(0, dtype=bool)
 _NO_ROWS.flags.writeable = False
 

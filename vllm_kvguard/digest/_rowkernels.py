@@ -205,12 +205,16 @@ def page_sums(layer_at, page_bytes, ids, block_size, layer_words, lanes, runs, s
 
 
 @numba.njit(cache=True, nogil=True)
-def page_changes(layer_at, page_bytes, ids, expected, layer_words, lanes, runs, sums, changed, counts):
+def page_changes(layer_at, page_bytes, ids, limit, expected, layer_words, lanes, runs, sums, changed, counts):
     # The rows of pages (read as page_sums reads them) whose digest is no longer ``expected``
     # (pages x slots; 0: a row not checked): their flat indices p x slots + s go to ``changed``
-    # and their count is returned. A page's rows are summed up to its last checked row only
-    # (a page being filled reads its written rows, not the empty rest); sums: scratch of one
-    # page's rows. counts[0] += rows checked, counts[1] += pages with a row checked.
+    # and their count is returned; -1, with nothing read, where some id is outside [0, limit).
+    # A page's rows are summed up to its last checked row only (a page being filled reads its
+    # written rows, not the empty rest); sums: scratch of one page's rows. counts[0] += rows
+    # checked, counts[1] += pages with a row checked.
+    for p in range(ids.shape[0]):
+        if ids[p] < 0 or ids[p] >= limit:
+            return -1
     block_size = expected.shape[1]
     found = 0
     for p in range(ids.shape[0]):

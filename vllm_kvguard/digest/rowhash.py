@@ -87,7 +87,17 @@ def compiled() -> dict[str, Callable[..., Any]] | None:
             lanes = np.zeros((0, 5), dtype=np.int64)
             kernels["page_sums"](s, 0, s[:0], 16, 1, lanes, spec[:0], out)
             kernels["page_changes"](
-                s, 0, s[:0], np.zeros((0, 16), np.uint64), 1, lanes, spec[:0], out, s, np.zeros(2, np.int64)
+                s,
+                0,
+                s[:0],
+                1,
+                np.zeros((0, 16), np.uint64),
+                1,
+                lanes,
+                spec[:0],
+                out,
+                s,
+                np.zeros(2, np.int64),
             )
             zero = np.uint64(0)
             kernels["page_facts"](

@@ -668,11 +668,12 @@ class RowDigests:
             layout = self._copy_layout(host, copy)
         else:
             ids = np.ascontiguousarray(ids, dtype=np.int64)
-            if len(ids) and (ids.min() < 0 or ids.max() >= host.num_blocks):  # (read by address below)
-                raise IndexError(f"block ids outside the pool's {host.num_blocks} blocks")
             layout = None if host.page_at is None else (host.page_at, host.page_bytes, ids)
         if layout is not None:
-            found = self._page_changes(host, *layout, expected)
+            # Pages read by address: the compiled call checks every id is in the pool (or the
+            # copy) before it reads any.
+            limit = host.num_blocks if copy is None else copy.shape[1]
+            found = self._page_changes(host, *layout, expected, limit)
             if found is not None:
                 return found
         wanted = np.flatnonzero(expected)
@@ -682,6 +683,8 @@ class RowDigests:
         if copy is not None:
             got = rowhash.digest_rows(host.page_rows(copy), self._slot_run(len(expected)))
             return wanted[got[wanted] != expected.reshape(-1)[wanted]], len(wanted), pages
+        if ids.min() < 0 or ids.max() >= host.num_blocks:
+            raise IndexError(f"block ids outside the pool's {host.num_blocks} blocks")
         bs = self.block_size
         changed = wanted[self.hash(ids[wanted // bs], wanted % bs) != expected.reshape(-1)[wanted]]
         return changed, len(wanted), pages
@@ -719,10 +722,16 @@ class RowDigests:
         return kernels, plan[0], plan[1]
 
     def _page_changes(
-        self, host: HostRows, layer_at: np.ndarray, page_bytes: int, ids: np.ndarray, expected: np.ndarray
+        self,
+        host: HostRows,
+        layer_at: np.ndarray,
+        page_bytes: int,
+        ids: np.ndarray,
+        expected: np.ndarray,
+        limit: int,
     ) -> tuple[np.ndarray, int, int] | None:
-        """:meth:`check_pages_counted` by rowhash's ``page_changes``; None where there is no
-        plan or no numba."""
+        """:meth:`check_pages_counted` by rowhash's ``page_changes`` (IndexError where some id
+        is outside ``[0, limit)``); None where there is no plan or no numba."""
         compiled = self._in_place(host)
         if compiled is None:
             return None
@@ -734,6 +743,7 @@ class RowDigests:
             layer_at,
             page_bytes,
             ids,
+            limit,
             expected,
             host.width * host.flat[0].itemsize // 8,
             lanes,
@@ -742,6 +752,8 @@ class RowDigests:
             self._changed,
             counts,
         )
+        if found < 0:
+            raise IndexError(f"block ids outside the pool's {limit} blocks")
         return self._changed[:found].copy(), int(counts[0]), int(counts[1])
 
     def _page_digests(
