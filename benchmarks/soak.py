@@ -39,7 +39,7 @@ from vllm_kvguard.tools.server import Server, get, serve
 # (``faults``, a drill's injected faults, wait for a reader of their page, request or not: at most
 # one per sealed page; ``recent_steps`` is at most 3.)
 PER_REQUEST = (
-    "requests", "blocks_given", "read_windows", "stop_messages", "affected",
+    "requests", "blocks_given", "tables", "stop_messages", "affected",
     "recompute_counts", "pending_failures",
 )  # fmt: skip
 _SAMPLE = re.compile(r"^(vllm:kvguard_[a-z_]+)\{([^}]*)\} ([0-9.eE+-]+)$")

@@ -76,6 +76,7 @@ class KVGuardConfig:
     mode: Mode = Mode.QUARANTINE
     verify: VerifyPolicy = VerifyPolicy.SAMPLED
     verify_budget_bytes: int = 256 << 10
+    verify_every: int = 4
     scrub_interval_s: float = 300.0
     scrub_budget_bytes: int = 1 << 20
     nonfinite: NonFiniteAction = NonFiniteAction.MODE
@@ -196,6 +197,13 @@ def _log_level(var: str, raw: str) -> str:
     return value
 
 
+def _steps(var: str, raw: str) -> int:
+    text = raw.strip()
+    if not text.isdigit() or not 1 <= int(text) <= 1_000_000:
+        raise KVGuardConfigError(var, raw, "a whole number of engine steps, 1 to 1000000 (1: every step)")
+    return int(text)
+
+
 def _port(var: str, raw: str) -> int | None:
     text = raw.strip()
     if not text:
@@ -243,6 +251,7 @@ _VARIABLES = {
     "_MODE": ("mode", lambda var, raw: _choice(var, raw, Mode)),
     "_VERIFY": ("verify", lambda var, raw: _choice(var, raw, VerifyPolicy)),
     "_VERIFY_BUDGET": ("verify_budget_bytes", _bytes),
+    "_VERIFY_EVERY": ("verify_every", _steps),
     "_SCRUB_INTERVAL": ("scrub_interval_s", _interval),
     "_SCRUB_BUDGET": ("scrub_budget_bytes", _bytes),
     "_NONFINITE": ("nonfinite", lambda var, raw: _choice(var, raw, NonFiniteAction)),

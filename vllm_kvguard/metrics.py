@@ -94,7 +94,7 @@ SERIES = (
         "vllm:kvguard_state_entries",
         "gauge",
         "Entries in the guard's tables that grow with requests and events, by table (requests, "
-        "blocks_given, read_windows, stop_messages, affected, recompute_counts, pending_failures: "
+        "blocks_given, stop_messages, affected, recompute_counts, pending_failures: "
         "per live request, back to 0 when requests end; recent_steps: at most 3; faults: drills "
         "only). Sampled once a second.",
         "table",

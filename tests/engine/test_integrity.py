@@ -71,7 +71,9 @@ def nonfinite_pages(worker: Any, blocks: list[int]) -> list[int]:
 LONG_PROMPT = words(17, 8 * BLOCK) + " w300 w301"  # 8 full blocks, then 2 tokens
 SAMPLED = {
     "VLLM_KVGUARD_VERIFY": "sampled",
-    "VLLM_KVGUARD_VERIFY_BUDGET": "32KiB",  # one page (2 layers x 16 KiB) per step: 8 steps a round
+    # One page (2 layers x 16 KiB) per step, on average: 4 pages on every 4th step (the default
+    # VLLM_KVGUARD_VERIFY_EVERY), 9 pages read (8 full, 1 unfilled): within 12 steps.
+    "VLLM_KVGUARD_VERIFY_BUDGET": "32KiB",
     "VLLM_KVGUARD_SCRUB_INTERVAL": "0",
 }
 

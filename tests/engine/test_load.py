@@ -84,7 +84,7 @@ def test_soak_leaves_nothing_behind_and_memory_flat(tiny_model: str, tmp_path: P
     assert report["probe_ok"]
     # Finished and aborted requests (and ended drill faults) left no entry in any guard table.
     assert report["idle_entries"] == dict.fromkeys(report["idle_entries"], 0.0), report["idle_entries"]
-    assert set(report["idle_entries"]) >= {"requests", "blocks_given", "read_windows", "affected"}
+    assert set(report["idle_entries"]) >= {"requests", "blocks_given", "tables", "affected"}
     # Drill faults still waiting for a reader of their page are exactly the log's unended ones.
     assert report["idle_faults_awaiting_reader"] == report["guard"]["faults_pending"]
     # Fixed tables stay their size; the metrics' label sets do not grow with traffic.

@@ -51,21 +51,25 @@ def _run_with_mid_decode_flip(llm, log: Path) -> tuple[str, str | None, int | No
 
 
 @pytest.mark.parametrize(
-    ("policy", "budget", "bound"),
+    ("policy", "budget", "every", "bound"),
     [
-        ("paranoid", None, 1),
+        ("paranoid", None, None, 1),
         # One page (2 layers x 16 KiB) per step, 4 full pages read and the unfilled page being
-        # written (its rows are in the rotation too): caught within 5 steps.
-        ("sampled", "32KiB", 5),
+        # written (its rows are in the sweep too): caught within 5 steps.
+        ("sampled", "32KiB", "1", 5),
+        # The default batching: 4 pages every 4th step, caught within 4 x ceil(5 / 4) steps.
+        ("sampled", "32KiB", None, 8),
     ],
 )
 def test_running_request_page_corrupted_mid_decode(
-    tiny_model: str, tmp_path: Path, policy: str, budget: str | None, bound: int
+    tiny_model: str, tmp_path: Path, policy: str, budget: str | None, every: str | None, bound: int
 ) -> None:
     log = tmp_path / "guard.jsonl"
     extra = {"VLLM_KVGUARD_VERIFY": policy, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if budget:
         extra["VLLM_KVGUARD_VERIFY_BUDGET"] = budget
+    if every:
+        extra["VLLM_KVGUARD_VERIFY_EVERY"] = every
     with engine(tiny_model, guard_env("quarantine", log, **extra), num_gpu_blocks_override=64) as llm:
         handled = record_invalid_blocks(llm)
         reference, text, detected_at, lines, block = _run_with_mid_decode_flip(llm, log)

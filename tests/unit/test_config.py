@@ -52,6 +52,9 @@ def test_switch_off_values(value: str) -> None:
         ("VLLM_KVGUARD_SCRUB_INTERVAL", "-5s", "0 or off: no scrubbing"),
         ("VLLM_KVGUARD_SCRUB_BUDGET", "0", "a positive size in bytes"),
         ("VLLM_KVGUARD_NONFINITE", "raise", "mode | log | off"),
+        ("VLLM_KVGUARD_VERIFY_EVERY", "0", "a whole number of engine steps, 1 to 1000000"),
+        ("VLLM_KVGUARD_VERIFY_EVERY", "2.5", "(1: every step)"),
+        ("VLLM_KVGUARD_VERIFY_EVERY", "-1", "1 to 1000000"),
     ],
 )
 def test_bad_values_name_variable_value_and_accepted(variable: str, value: str, accepted: str) -> None:
@@ -122,3 +125,9 @@ def test_log_file_is_checked_before_any_engine_starts(tmp_path) -> None:
             f"VLLM_KVGUARD_LOG_FILE={value!r} is not valid: "
             f"expected a file path in an existing, writable folder ({why})"
         )
+
+
+def test_verify_every() -> None:
+    assert KVGuardConfig().verify_every == 4
+    assert load_config({"VLLM_KVGUARD_VERIFY_EVERY": " 1 "}).verify_every == 1
+    assert load_config({"VLLM_KVGUARD_VERIFY_EVERY": "16"}).verify_every == 16

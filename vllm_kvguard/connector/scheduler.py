@@ -255,7 +255,10 @@ class KVGuardScheduler:
         self.hook_seconds = 0.0
         self.block_pool: BlockPool | None = None
         self.kv_cache_manager: KVCacheManager | None = None
-        self.ledger = BlockLedger(num_blocks, block_size)
+        # Sampled reads batched every VLLM_KVGUARD_VERIFY_EVERY steps (the ledger's plan);
+        # reuse and paranoid have no budget to batch.
+        read_every = config.verify_every if config.verify == VerifyPolicy.SAMPLED else 1
+        self.ledger = BlockLedger(num_blocks, block_size, read_every)
         # Each live request's page fingerprints (what its pages hold), checked on every hit,
         # and the blocks that failed the check by step (drill accounting; dropped as settled).
         self.identity = PageIdentity(block_size)
@@ -314,6 +317,7 @@ class KVGuardScheduler:
                     "num_blocks": num_blocks,
                     "block_size": block_size,
                     "read_pages_per_step": "all" if self.read_budget is None else self.read_budget,
+                    "read_every_steps": self.ledger.read_every,
                     "scrub_pages_per_step_max": self.scrubber.max_pages if self.scrubber else 0,
                 },
             ),

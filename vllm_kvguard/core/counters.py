@@ -17,7 +17,6 @@ from typing import Any
 STATE_TABLES = (
     "requests",
     "blocks_given",
-    "read_windows",
     "tables",
     "stop_messages",
     "affected",

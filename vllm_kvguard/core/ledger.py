@@ -240,8 +240,13 @@ class LifecycleViolation:
 
 
 class BlockLedger:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, read_every: int = 1) -> None:
+        if read_every < 1:
+            raise ValueError(f"read_every must be a positive number of steps, not {read_every}")
         self.block_size = block_size
+        # Sampled reads are verified on every read_every-th step, read_every budgets at once
+        # (:meth:`plan`): the step's fixed cost of sampling paid once per read_every steps.
+        self.read_every = read_every
         self.state = np.zeros(num_blocks, dtype=np.uint8)
         self.generation = np.zeros(num_blocks, dtype=np.uint32)
         # When each block was last sealed or verified (the caller's clock): scrub age.
@@ -268,8 +273,9 @@ class BlockLedger:
         self._next_number = 0
         self.step = 0
         self.violations: list[LifecycleViolation] = []
+        # Where the sampled reads' sweep stands: a reader's index and a page in its table.
         self._read_cursor = 0
-        self._read_window: dict[str, int] = {}
+        self._read_offset = 0
         # Each live request's block table as vLLM handed it out (its first view, then the blocks
         # appended): where this step's rows go, without asking vLLM for the table every step.
         # One row of a numpy array per live request (rows and columns grow on demand, rows are
@@ -304,7 +310,6 @@ class BlockLedger:
         return {
             "requests": len(self._numbers),
             "blocks_given": self._given_count,
-            "read_windows": len(self._read_window),
             "tables": len(self._row_of),
         }
 
@@ -422,7 +427,8 @@ class BlockLedger:
         decodes: Decodes | None = None,
     ) -> StepPlan:
         """Plan one step. ``read_budget``: how many pages that running requests read this
-        step to verify as well (0: none; None: all of them, the paranoid policy).
+        step to verify as well (0: none; None: all of them, the paranoid policy); with
+        ``read_every`` N > 1, N times as many on every Nth step and none on the others.
         ``released``: requests that gave their blocks back since the last step
         (preempted), before this step's allocations. ``decodes``: running requests that only
         write one token into a page they hold, as arrays (the rest come as ``requests``)."""
@@ -430,6 +436,11 @@ class BlockLedger:
         for req_id in released:
             self.release_request(req_id)
         self.step += 1
+        if read_budget and self.read_every > 1:
+            # Sampled reads batched: the same pages per step on average, on one step in
+            # read_every (a page read on every step is verified at least once every
+            # read_every x ceil(pages read per step / (read_every x budget)) steps).
+            read_budget = read_budget * self.read_every if self.step % self.read_every == 0 else 0
         plan = StepPlan(self.step)
         bs = self.block_size
         rows_b: list[int] = []
@@ -728,7 +739,6 @@ class BlockLedger:
     def release_request(self, req_id: str) -> None:
         """A request gave its blocks back (finished or preempted): the blocks it was
         still writing hold nothing anyone may read, so they are free again."""
-        self._read_window.pop(req_id, None)
         row = self._row_of.pop(req_id, None)
         if row is not None:
             self._table_len[row] = 0
@@ -768,10 +778,10 @@ class BlockLedger:
         unfilled pages whose written rows are verified). ``running``: (request, tokens computed)
         of the running requests in ``requests``; ``decodes``: the rest. Tables from the mirror.
 
-        Sampling rotates over requests and, inside a request longer than the budget,
-        over its pages, so a page read on every step is verified at least once every
-        ceil(pages read per step / budget) steps. It looks at as many requests as the
-        budget takes, never at every running request.
+        Sampling sweeps the readers' pages laid end to end, a page once for each reader of
+        it, so while the running requests and their pages stay the same each is verified
+        at least once every ceil(their pages, summed / budget) steps. It looks at as many
+        requests as the budget takes, never at every running request.
         """
         bs = self.block_size
         # The decodes with a full page to read (None: all of them, as the placement counted).
@@ -793,10 +803,12 @@ class BlockLedger:
         else:
             chosen: list[np.ndarray] = []
             names = []
-            start = self._read_cursor % count
-            left = budget
-            for i in range(count):
-                k = (start + i) % count
+            # One sweep over every reader's pages laid end to end (reader k's page o is where
+            # the last step stopped), ``budget`` pages a step: while the readers stay the
+            # same, each (reader, page) comes round every ceil(their number / budget) steps.
+            start, start_at = self._read_cursor % count, self._read_offset
+            k, o, left = start, start_at, budget
+            for i in range(count + 1):
                 if k < len(running):
                     req_id, computed_tokens = running[k]
                 else:
@@ -804,24 +816,18 @@ class BlockLedger:
                     j = k - len(running) if d_at is None else int(d_at[k - len(running)])
                     req_id, computed_tokens = decoded.req_ids[decoded.at[j]], int(decoded.nc[j])
                 table = self._read_pages(self.table(req_id), computed_tokens)
-                if len(table) > left:
-                    offset = self._read_window.get(req_id, 0) % len(table)
-                    if offset + left <= len(table):
-                        table = table[offset : offset + left]
-                    else:
-                        table = np.concatenate((table[offset:], table[:offset]))[:left]
-                    self._read_window[req_id] = offset + left
-                chosen.append(table)
-                names.append(req_id)
-                left -= len(table)
+                # Back at the first reader after a whole round: only the pages it skipped.
+                end = len(table) if i < count else min(start_at, len(table))
+                piece = table[o : min(end, o + left)] if o < end else table[:0]
+                if len(piece):
+                    chosen.append(piece)
+                    names.append(req_id)
+                    left -= len(piece)
                 if left <= 0:
-                    self._read_cursor = start + i + 1
+                    at = o + len(piece)
+                    self._read_cursor, self._read_offset = (k, at) if at < end else ((k + 1) % count, 0)
                     break
-            else:
-                self._read_cursor = start + 1
-            if len(self._read_window) > 4 * count + 64:
-                live = {r for r, _ in running} | set(decoded.req_ids if decoded is not None else ())
-                self._read_window = {k: v for k, v in self._read_window.items() if k in live}
+                k, o = (k + 1) % count, 0
             if sum(len(t) for t in chosen) <= self._FEW_READS:
                 return self._few_reads(chosen, names, now)
             ids = np.concatenate(chosen).astype(np.int64) if chosen else _ids()

@@ -10,6 +10,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from vllm_kvguard.connector.scheduler import scheduled_requests
 
 BS = 4
@@ -243,3 +245,36 @@ def test_state_gauges_follow_every_idle_step_and_once_a_second_under_load(tmp_pa
     s.stop_messages["busy"] = "changed while requests run"
     busy = entries()
     assert busy is None or "stop_messages" not in busy
+
+
+@pytest.mark.parametrize(
+    ("verify", "every", "batched"),
+    [("sampled", None, 4), ("sampled", "1", 1), ("sampled", "8", 8), ("reuse", "8", 1), ("paranoid", "8", 1)],
+)
+def test_sampled_reads_are_batched_as_configured(
+    tmp_path: Any, verify: str, every: str | None, batched: int
+) -> None:
+    """VLLM_KVGUARD_VERIFY_EVERY reaches the ledger for sampled reads only (reuse verifies no
+    reads, paranoid every read of every step), and the start line says what it is."""
+    import json
+
+    from vllm_kvguard.config import load_config
+    from vllm_kvguard.connector.scheduler import KVGuardScheduler
+    from vllm_kvguard.logs import GuardLog
+
+    env = {
+        "VLLM_KVGUARD": "1",
+        "VLLM_KVGUARD_VERIFY": verify,
+        "VLLM_KVGUARD_LOG_FILE": str(tmp_path / "g.jsonl"),
+    }
+    if every is not None:
+        env["VLLM_KVGUARD_VERIFY_EVERY"] = every
+    config = load_config(env)
+    s = KVGuardScheduler(
+        config, GuardLog(config, role="scheduler", rank=0), num_blocks=64, block_size=BS,
+        bytes_per_block=1024, num_layers=2, model_name="unit", details={},
+    )  # fmt: skip
+    assert s.ledger.read_every == batched
+    lines = [json.loads(x) for x in (tmp_path / "g.jsonl").read_text().splitlines()]
+    (started,) = [x for x in lines if x["event"] == "kvguard_started"]
+    assert started["details"]["read_every_steps"] == batched

@@ -138,6 +138,56 @@ def test_sampled_covers_every_page_within_the_bound() -> None:
     assert set(seen) == {1, 2, 3, 4, 5}
 
 
+@pytest.mark.parametrize("decodes", [False, True])
+@pytest.mark.parametrize("every", [1, 2, 4, 7])
+@pytest.mark.parametrize("budget", [1, 2, 3])
+def test_sampled_reads_batched_every_n_steps_keep_the_bound(every: int, budget: int, decodes: bool) -> None:
+    """The sampled reads' sweep, and VLLM_KVGUARD_VERIFY_EVERY: reads verified on every Nth step
+    only, N budgets at once, and every page the running requests read verified within
+    N x ceil(their pages, a page once per reader / (N x budget)) steps, readers of unequal
+    length, a page shared by two readers and an unfilled page (its rows) among them."""
+    import numpy as np
+
+    from vllm_kvguard.core.ledger import Decodes
+
+    ledger = BlockLedger(32, BS, read_every=every)
+    ledger.plan([req("a", 0, 12, True, [1, 2, 3], [1, 2, 3]), req("b", 0, 8, True, [4, 5], [4, 5])])
+    ledger.plan([req("c", 8, 2, True, [9], [4, 5, 9])])  # c hits b's two pages, writes 2 rows of 9
+    tables = {"a": [1, 2, 3, 6], "b": [4, 5, 7], "c": [4, 5, 9]}
+    computed = {"a": 12, "b": 8, "c": 10}
+    pages = 3 + 2 + 3  # a's 3, b's 2, c's 2 shared with b and its unfilled 9
+    bound = every * -(-pages // (every * budget))
+    verified: list[set[int]] = []
+    for _ in range(3 * bound + every):
+        if decodes:
+            views = [req("b", 8, 1, False, [], tables["b"])]
+            ids = ["a", "c"]
+            batch = Decodes(ids, None, np.array([computed[r] for r in ids], dtype=np.int64), tables.get)
+            plan = ledger.plan(views, read_budget=budget, decodes=batch)
+        else:
+            running = [req(r, computed[r], 1, False, [], t) for r, t in tables.items()]
+            plan = ledger.plan(running, read_budget=budget)
+        read = plan.read_verify + plan.read_partial
+        if plan.step % every:
+            assert read == [], plan.step
+        else:
+            assert 0 < len(read) <= every * budget
+        assert set(plan.read_partial) <= {9}
+        verified.append(set(read))
+    for start in range(len(verified) - bound + 1):
+        window = set().union(*verified[start : start + bound])
+        assert window == {1, 2, 3, 4, 5, 9}, (start, verified)
+    # Reuse (no budget) and paranoid (every page, every step) are not batched.
+    running = [req(r, computed[r], 1, False, [], t) for r, t in tables.items()]
+    assert ledger.plan(running, read_budget=0).read_verify == []
+    assert ledger.plan(running, read_budget=None).read_verify == [1, 2, 3, 4, 5]
+
+
+def test_read_every_must_be_a_positive_number_of_steps() -> None:
+    with pytest.raises(ValueError, match="positive number of steps"):
+        BlockLedger(32, BS, read_every=0)
+
+
 @pytest.mark.parametrize("small", [64, 0])
 def test_pages_shared_by_readers_are_verified_once_in_first_read_order(small: int) -> None:
     """Dedup of a step's reads: the dict path for a few pages and numpy's for many agree."""
@@ -264,11 +314,11 @@ def test_footprint_returns_to_zero_when_requests_end() -> None:
     ledger.plan([req("a", 0, 10, True, [1, 2, 3], [1, 2, 3]), req("b", 0, 5, True, [4, 5], [4, 5])], 1)
     ledger.plan([req("a", 10, 1, False, [], [1, 2, 3]), req("b", 5, 1, False, [], [4, 5])], 1)
     busy = ledger.footprint()
-    assert busy["requests"] == 2 and busy["blocks_given"] == 5 and busy["read_windows"] >= 1
+    assert busy["requests"] == 2 and busy["blocks_given"] == 5 and busy["tables"] == 2
     size = ledger.nbytes()
     ledger.release_request("a")
     ledger.release_request("b")  # finished or aborted: vLLM calls request_finished for both
-    assert ledger.footprint() == {"requests": 0, "blocks_given": 0, "read_windows": 0, "tables": 0}
+    assert ledger.footprint() == {"requests": 0, "blocks_given": 0, "tables": 0}
     assert ledger.live_requests() == 0 and ledger.nbytes() == size > 64 * 8
 
 
