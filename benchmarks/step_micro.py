@@ -16,7 +16,9 @@ prompt of 8 full pages plus one token and then decodes one token per step. Two s
 Scheduler side: ``build_connector_meta``, ``update_connector_output`` and
 ``get_kv_connector_stats`` (what vLLM calls every step). Worker side:
 ``bind_connector_metadata``, ``wait_for_layer_load`` per layer, ``wait_for_save`` and
-``build_connector_worker_meta``. Medians over the measured steps, in µs per step.
+``build_connector_worker_meta``. Medians (and means) over the measured steps, in µs per step:
+with sampled reads batched every N steps (``--every``, ``VLLM_KVGUARD_VERIFY_EVERY``) the
+median is a step with nothing due, the mean includes the due steps' share.
 Scrubbing is off (``VLLM_KVGUARD_SCRUB_INTERVAL=0``): its cost is its budget, on the steps it
 is due. It runs against older versions of the package too (``PYTHONPATH=<worktree>``).
 """
@@ -76,8 +78,11 @@ class Bench:
         heads: int,
         head: int,
         rows: str = "on",
+        every: str | None = None,
     ):
         env = {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_VERIFY": verify, "VLLM_KVGUARD_SCRUB_INTERVAL": "0"}
+        if every is not None:  # (unset for trees older than the variable)
+            env["VLLM_KVGUARD_VERIFY_EVERY"] = every
         env["VLLM_KVGUARD_ROWS"] = "1" if rows == "on" else "0"
         env["VLLM_KVGUARD_LOG_LEVEL"] = "WARNING"
         config = load_config(env)
@@ -227,7 +232,15 @@ class Bench:
 
 def measure(args: argparse.Namespace, running: int, blocks: int, verify: str) -> dict[str, Any]:
     bench = Bench(
-        running, blocks, verify, args.block_size, args.layers, args.kv_heads, args.head_size, args.rows
+        running,
+        blocks,
+        verify,
+        args.block_size,
+        args.layers,
+        args.kv_heads,
+        args.head_size,
+        args.rows,
+        args.every,
     )
     bs = args.block_size
     result: dict[str, Any] = {"running": running, "blocks": blocks, "verify": verify, "rows": args.rows}
@@ -243,6 +256,10 @@ def measure(args: argparse.Namespace, running: int, blocks: int, verify: str) ->
     for kind, samples in (("quiet", quiet[2:]), ("mixed", mixed[2:])):
         result[f"{kind}_scheduler_us"] = statistics.median(x[0] for x in samples) * 1e6
         result[f"{kind}_worker_us"] = statistics.median(x[1] for x in samples) * 1e6
+        # Means too: sampled reads batched every N steps (VLLM_KVGUARD_VERIFY_EVERY) cost on
+        # one step in N, which the median leaves out.
+        result[f"{kind}_scheduler_mean_us"] = statistics.fmean(x[0] for x in samples) * 1e6
+        result[f"{kind}_worker_mean_us"] = statistics.fmean(x[1] for x in samples) * 1e6
     del bench
     gc.collect()
     return result
@@ -258,15 +275,19 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=1)
     ap.add_argument("--head-size", type=int, default=32)
     ap.add_argument("--rows", choices=["on", "off"], default="on", help="row digests (VLLM_KVGUARD_ROWS)")
+    ap.add_argument("--every", help="VLLM_KVGUARD_VERIFY_EVERY (default: the package's)")
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args()
     torch.set_num_threads(1)
     results = []
     print(
         f"{a.layers} layers x {a.kv_heads} KV heads x head {a.head_size}, block {a.block_size}, bfloat16, "
-        f"rows {a.rows}; guard us per decode step (median)"
+        f"rows {a.rows}; guard us per decode step: median (mean)"
     )
-    print(f"{'verify':8s} {'running':>7s} {'blocks':>8s}   quiet: sched  worker   mixed: sched  worker")
+    print(
+        f"{'verify':8s} {'running':>7s} {'blocks':>8s}   quiet: sched (mean)  worker (mean)"
+        "   mixed: sched (mean)  worker (mean)"
+    )
     for verify in a.verify.split(","):
         for blocks in (int(b) for b in a.blocks.split(",")):
             for running in (int(r) for r in a.running.split(",")):
@@ -274,8 +295,11 @@ def main() -> None:
                     continue
                 r = measure(a, running, blocks, verify)
                 results.append(r)
-                quiet = f"{r['quiet_scheduler_us']:12.1f} {r['quiet_worker_us']:7.1f}"
-                mixed = f"{r['mixed_scheduler_us']:12.1f} {r['mixed_worker_us']:7.1f}"
+                quiet, mixed = (
+                    f"{r[k + '_scheduler_us']:12.1f} ({r[k + '_scheduler_mean_us']:5.1f})"
+                    f" {r[k + '_worker_us']:7.1f} ({r[k + '_worker_mean_us']:5.1f})"
+                    for k in ("quiet", "mixed")
+                )
                 print(f"{verify:8s} {running:7d} {blocks:8d}   {quiet}   {mixed}", flush=True)
     if a.json:
         a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "results": results}, indent=1))
