@@ -34,6 +34,9 @@ def main() -> int:
     os.environ["VLLM_KVGUARD"] = "1"
     os.environ["VLLM_KVGUARD_LOG_FILE"] = log_file
     os.environ.setdefault("VLLM_KVGUARD_VERIFY", "sampled")
+    # The case counts steps ("caught in the first step after the flip"): every step verifies
+    # its sample (the default batches them every 4 steps: tests/unit/core/test_ledger.py).
+    os.environ["VLLM_KVGUARD_VERIFY_EVERY"] = "1"
     # The case flips single bits to drive 0.34's bad-block handling (recompute); with repair on
     # the host path would mend them in place instead (tests/engine/test_shapes.py covers that).
     os.environ["VLLM_KVGUARD_REPAIR"] = "0"
