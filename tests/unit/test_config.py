@@ -131,3 +131,14 @@ def test_verify_every() -> None:
     assert KVGuardConfig().verify_every == 4
     assert load_config({"VLLM_KVGUARD_VERIFY_EVERY": " 1 "}).verify_every == 1
     assert load_config({"VLLM_KVGUARD_VERIFY_EVERY": "16"}).verify_every == 16
+
+
+def test_every_variable_has_a_row_in_the_configuration_reference() -> None:
+    """docs/configuration.md is the reference: each variable the guard reads has its row there."""
+    from pathlib import Path
+
+    from vllm_kvguard.config import variable_names
+
+    doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    rows = {line.split("`")[1] for line in doc.splitlines() if line.startswith("| `VLLM_KVGUARD")}
+    assert rows == set(variable_names())
