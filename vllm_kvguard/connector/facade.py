@@ -53,17 +53,22 @@ class _Side(Protocol):
     def internal_error(self, where: str, exc: Exception) -> None: ...
 
 
-def fail_open(default: Callable[[Any], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+def fail_open(
+    default: Callable[[Any], T], hook_name: str | None = None
+) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """Run a hook so that a bug in the guard never takes serving down.
 
     The role counts and logs the error (the 1st, 2nd, 4th, 8th... occurrence with its
     traceback); the hook returns a neutral value (``default(self)``), which leaves the
     step unguarded: pages not sealed this step are not verified later (the worker only
     verifies what it sealed). See docs/design.md, "Internal errors". The time spent in
-    the hook is the guard's own cost (``vllm:kvguard_overhead_seconds``).
+    the hook is the guard's own cost (``vllm:kvguard_overhead_seconds``). ``hook_name``: the
+    vLLM hook the error is logged under, where ``fn`` is named otherwise.
     """
 
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        where = hook_name or fn.__name__
+
         @functools.wraps(fn)
         def hook(self: KVGuardConnector, *args: Any, **kwargs: Any) -> T:
             side = self._side
@@ -71,7 +76,7 @@ def fail_open(default: Callable[[Any], T]) -> Callable[[Callable[..., T]], Calla
             try:
                 return fn(self, *args, **kwargs)
             except Exception as exc:
-                side.internal_error(fn.__name__, exc)
+                side.internal_error(where, exc)
                 return default(self)
             finally:
                 side.hook_seconds += time.perf_counter() - start
@@ -200,8 +205,16 @@ class KVGuardConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return
 
-    @fail_open(lambda self: None)
     def wait_for_layer_load(self, layer_name: str) -> None:
+        # Called before every attention layer; most steps have no read to verify there
+        # (reuse, and sampled between the steps its reads are batched on): return at once,
+        # without the hook's timing and error handling (one attribute test).
+        worker = self.worker
+        if worker is not None and worker.reads_left:
+            self._wait_for_layer_load(layer_name)
+
+    @fail_open(lambda self: None, "wait_for_layer_load")
+    def _wait_for_layer_load(self, layer_name: str) -> None:
         assert self.worker is not None
         self.worker.wait_for_layer_load(layer_name)
 

@@ -363,7 +363,9 @@ class KVGuardWorker:
         self.counters = GuardCounters()
         self._state_reported_at = 0.0
         self._layer_index: dict[str, int] = {}
-        self._reads_left: set[int] = set()
+        # Layers whose sampled or paranoid reads this step has yet to verify (empty on most
+        # steps: the facade's wait_for_layer_load then returns without its hook's timing).
+        self.reads_left: set[int] = set()
         self._read_blocks: list[int] = []
         # Per layer, the seals of _read_blocks (host table), as Python ints.
         self._read_expected: list[list[int]] = []
@@ -576,17 +578,17 @@ class KVGuardWorker:
             self.table.forget(meta.invalidate)
             if self.rows is not None:
                 self.rows.forget(meta.invalidate)
-        self._reads_left = set()
+        self.reads_left = set()
         self._read_partial = plan.read_partial if self.rows is not None else []
         if self._read_partial and not plan.read_verify:
             assert self.pages is not None
-            self._reads_left = set(self._every_layer)
+            self.reads_left = set(self._every_layer)
             self._read_blocks = []
             self._read_expected = [[] for _ in range(self.pages.num_layers)]
             self._read_seconds = 0.0
         if plan.read_verify:
             assert self.pages is not None
-            self._reads_left = set(self._every_layer)
+            self.reads_left = set(self._every_layer)
             # Resolved once per step (blocks, their seals), reused by every layer's hook.
             if isinstance(self.table, DeviceDigestTable):
                 self._read_blocks = self.table.sealed_only(plan.read_verify)
@@ -756,19 +758,19 @@ class KVGuardWorker:
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Called per attention layer after this step's KV write and before attention
         # reads the cache: verify the sealed pages the step reads, for this layer.
-        if not self._reads_left:
+        if not self.reads_left:
             return
         layer = self._layer_index.get(layer_name)
-        if layer is None or layer not in self._reads_left:
+        if layer is None or layer not in self.reads_left:
             return
         if self.config.verify == VerifyPolicy.PARANOID:
             # Each layer right before its own read.
-            self._reads_left.discard(layer)
+            self.reads_left.discard(layer)
             self._verify_reads([layer])
         else:
             # Sampled: every layer in one call at the first attention layer; one pass
             # between layers costs far less than one per layer (docs/performance.md).
-            layers, self._reads_left = sorted(self._reads_left), set()
+            layers, self.reads_left = sorted(self.reads_left), set()
             self._verify_reads(layers)
 
     def _verify_rows(self, meta: KVGuardMetadata, block_ids: list[int], trigger: str) -> set[int]:
@@ -878,7 +880,7 @@ class KVGuardWorker:
         else:
             bad = self._compare_reads(meta, layers, blocks)
         self._read_seconds += time.perf_counter() - start
-        if not self._reads_left:
+        if not self.reads_left:
             # Last layer of the step: account once per step, not once per layer.
             self.counters.add("bytes_hashed", self.pages.bytes_per_block * len(blocks), label="verify")
             self.counters.observe("verify_seconds", self._read_seconds)
@@ -975,8 +977,8 @@ class KVGuardWorker:
     def finish_forward(self) -> None:
         """Layers whose attention hook did not run: skipped without attention metadata, or
         the whole forward replayed as one CUDA graph (no per-layer Python hooks)."""
-        if self._reads_left and self._meta is not None:
-            layers, self._reads_left = sorted(self._reads_left), set()
+        if self.reads_left and self._meta is not None:
+            layers, self.reads_left = sorted(self.reads_left), set()
             self._verify_reads(layers)
 
     # ------------------------------------------------------------- after the forward
