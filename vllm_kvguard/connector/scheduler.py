@@ -618,10 +618,11 @@ class KVGuardScheduler:
             self.worker_errors_seen += 1
             if power_of_two(self.worker_errors_seen):
                 self.log.line("kvguard_worker_internal_error", level="error", error=error)
-        by_block: dict[int, list[Detection]] = defaultdict(list)
-        nonfinite: dict[int, list[Detection]] = defaultdict(list)
-        lost: dict[int, list[Detection]] = defaultdict(list)
+        bad: set[int] = set()  # the blocks found bad this step (the drills' accounting)
         if meta.detections:
+            by_block: dict[int, list[Detection]] = defaultdict(list)
+            nonfinite: dict[int, list[Detection]] = defaultdict(list)
+            lost: dict[int, list[Detection]] = defaultdict(list)
             for d in meta.detections:
                 kind = nonfinite if d.kind == "nonfinite" else lost if d.kind == "write_lost" else by_block
                 kind[d.block_id].append(d)
@@ -631,6 +632,7 @@ class KVGuardScheduler:
                 self._handle_nonfinite(block, detections)
             for block, detections in sorted(lost.items()):
                 self._handle_write_lost(block, detections)
+            bad = set(by_block) | set(nonfinite) | set(lost)
         for d in meta.diagnosed:
             self.counters.add("shapes", label=d.shape)
             self.log.event(
@@ -644,7 +646,6 @@ class KVGuardScheduler:
             for fid in meta.unchanged_faults:
                 self.faults.no_change(fid)
                 self.log.event("kv_fault_outcome", FaultOutcome(fid, "no_change", self.ledger.step))
-            bad = set(by_block) | set(nonfinite) | set(lost)
             for step in sorted(meta.verified_steps):
                 found = bad | self._identity_found.pop(step, set())
                 for fid, detected in self.faults.verified(step, found):

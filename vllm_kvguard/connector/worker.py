@@ -1318,7 +1318,8 @@ class KVGuardWorker:
                 self._state_reported_at = now
                 rows = self.rows.nbytes() if self.rows is not None else 0
                 self.counters.set("state_bytes", self.table.nbytes() + rows, label="worker")
-        if not self.counters.empty():
+            self._worker_meta().counters = self.counters.take()  # (not empty: the step's time)
+        elif not self.counters.empty():
             self._worker_meta().counters = self.counters.take()
         # Device checks are read back after vLLM waits for the step's output, not here
         # (no added sync): they ride in the metadata unsettled.
