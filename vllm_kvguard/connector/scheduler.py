@@ -362,8 +362,11 @@ class KVGuardScheduler:
             self._plan_scrub(meta, now)
         if self._invalidate_next:
             meta.invalidate, self._invalidate_next = self._invalidate_next, []
+            if self.config.mode != Mode.LOG:  # (the worker forgets their rows: ledger.forget_owners)
+                self.ledger.forget_owners(meta.invalidate)
         if self._zero_next:
             meta.zero, self._zero_next = sorted(set(self._zero_next)), []
+            self.ledger.forget_owners(meta.zero)
         for violation in self.ledger.take_violations():
             self._handle_violation(violation, meta)
         if self.faults is not None:
@@ -633,6 +636,13 @@ class KVGuardScheduler:
             for block, detections in sorted(lost.items()):
                 self._handle_write_lost(block, detections)
             bad = set(by_block) | set(nonfinite) | set(lost)
+            if self.config.mode != Mode.LOG:
+                # The worker forgot the rows of pages whose rows changed (_row_findings).
+                changed = [
+                    b for b, found in by_block.items() if any(d.kind == "partial_mismatch" for d in found)
+                ]
+                if changed:
+                    self.ledger.forget_owners(changed)
         for d in meta.diagnosed:
             self.counters.add("shapes", label=d.shape)
             self.log.event(

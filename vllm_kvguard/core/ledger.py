@@ -954,6 +954,13 @@ class BlockLedger:
         no evidence. One gather, no sort: it runs on every step."""
         return self.lost_evidence[np.asarray(blocks, dtype=np.int64)]
 
+    def forget_owners(self, blocks: Sequence[int] | np.ndarray) -> None:
+        """The worker forgot these blocks' rows (a page found changed, reported unreadable or
+        zeroed): whoever is given one next has no previous owner's rows to tell a lost write
+        by, so none of its rows is sent as evidence (conservative: rows recomputed since are
+        not counted on)."""
+        self.owner_key[np.asarray(blocks, dtype=np.int64)] = 0
+
     def lost_write_candidates(self, blocks: Sequence[int] | np.ndarray) -> list[int]:
         """The blocks of :meth:`lost_write_rows`, once each."""
         ids = np.asarray(blocks, dtype=np.int64)

@@ -409,6 +409,26 @@ def test_unfilled_pages_are_verified_with_the_pages_read_and_owner_keys_roll() -
     assert ledger.lost_write_candidates([2]) == []
 
 
+@pytest.mark.parametrize("forgotten", [False, True])
+def test_a_block_whose_rows_the_worker_forgot_is_no_lost_write_evidence_for_its_next_owner(
+    forgotten: bool,
+) -> None:
+    """After a page's rows changed (or it was reported unreadable, or zeroed) the worker forgets
+    them: the next owner's rows there have nothing to be told apart from, so the ledger must
+    not send them as lost-write evidence (a drill's lost write would land where it cannot show)."""
+    import numpy as np
+
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, 6, True, [1, 2], [1, 2])])
+    ledger.record_owners(np.array([1, 2]), np.array([5, 6], dtype=np.uint64))
+    if forgotten:
+        ledger.forget_owners([2])
+    ledger.release_request("a")
+    ledger.plan([req("b", 0, 1, True, [2], [2])])
+    ledger.record_owners(np.array([2]), np.array([7], dtype=np.uint64))
+    assert ledger.lost_write_candidates([2]) == ([] if forgotten else [2])
+
+
 def _sampled_run(few: int) -> list[tuple]:
     """Sampled reads over several steps: shared pages, an unfilled page, a free block in a
     table; views and decodes (as arrays) both; every step's reads and what they marked."""
