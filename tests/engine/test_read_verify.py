@@ -80,6 +80,12 @@ def test_running_request_page_corrupted_mid_decode(
     assert handled == [{block}], handled
     assert detected_at is not None and 1 <= detected_at <= bound, detected_at
     assert line["trigger"] == policy
+    if policy == "sampled":
+        # Found on a step its reads were batched on (every step at 1; the default: every 4th).
+        every_steps = int(every or 4)
+        (started,) = [x for x in events(log, "kvguard_started") if x["role"] == "scheduler"]
+        assert started["details"]["read_every_steps"] == every_steps
+        assert line["step"] % every_steps == 0, line["step"]
     assert line["layer"].startswith("model.layers.1.")
     assert line["action"] == "quarantined_and_recomputed"
     assert [r.rsplit("-", 1)[0] for r in line["request_ids"]] == ["mid-decode"]
