@@ -1309,8 +1309,9 @@ class KVGuardWorker:
         return bad
 
     def build_connector_worker_meta(self) -> KVGuardWorkerMetadata | None:
-        if self._step_start is not None:
-            self.counters.add("step_seconds", time.perf_counter() - self._step_start)
+        start = self._step_start
+        if start is not None:
+            self.counters.add("step_seconds", time.perf_counter() - start)
             self.counters.add("guard_seconds", self.hook_seconds, label="worker")
             self.hook_seconds, self._step_start = 0.0, None
             now = time.monotonic()
@@ -1318,8 +1319,7 @@ class KVGuardWorker:
                 self._state_reported_at = now
                 rows = self.rows.nbytes() if self.rows is not None else 0
                 self.counters.set("state_bytes", self.table.nbytes() + rows, label="worker")
-            self._worker_meta().counters = self.counters.take()  # (not empty: the step's time)
-        elif not self.counters.empty():
+        if start is not None or not self.counters.empty():  # (a step's counters hold its time: not empty)
             self._worker_meta().counters = self.counters.take()
         # Device checks are read back after vLLM waits for the step's output, not here
         # (no added sync): they ride in the metadata unsettled.
