@@ -35,3 +35,78 @@ def place_decodes(nc, rows, table, table_len, block_size, out):
         if slot == 0:
             begun += 1
     return fills, begun, short
+
+
+@numba.njit(cache=True, nogil=True)
+def grow_decodes(
+    grown,
+    blocks,
+    d_rows,
+    fetched,
+    has_fetched,
+    table,
+    table_len,
+    writers,
+    state,
+    fingerprint,
+    verified_step,
+    verified_before,
+    previous_key,
+    owner_key,
+    lost_evidence,
+    writer_of,
+    held,
+    positions,
+    sealed_out,
+):
+    # Decodes given one new block each this step (decode grown[i], mirror row d_rows[grown[i]],
+    # block blocks[i], writer number writers[i]): append each block to its mirrored table (not
+    # where fetched[grown[i]]: that table was read whole from vLLM) and hand it to its writer, as
+    # the ledger's numpy path (_grow, _allocate_many, _owned) does. Checked first, nothing
+    # changed where it fails: returns (1, 0) where a block is quarantined, still being written,
+    # or given twice (the numpy path's audit then), (2, width) where the mirror needs
+    # ``width`` columns (the caller widens it and calls again). Else (0, pages sealed): writes
+    # each block's table position, and sealed_out[i] = 1 where block i was a sealed page, 2
+    # where one that a live request still held (held before this step's hand-out).
+    n = blocks.shape[0]
+    width = 0
+    for i in range(n):
+        s = state[blocks[i]]
+        if s == 1 or s == 3:  # FILLING, QUARANTINED
+            return 1, 0
+        if not (has_fetched and fetched[grown[i]]):
+            end = table_len[d_rows[grown[i]]] + 1
+            if end > width:
+                width = end
+    if n > 1:
+        ordered = blocks.copy()
+        ordered.sort()
+        for i in range(1, n):
+            if ordered[i] == ordered[i - 1]:
+                return 1, 0
+    if width > table.shape[1]:
+        return 2, width
+    sealed = 0
+    for i in range(n):
+        row = d_rows[grown[i]]
+        end = table_len[row]
+        if not (has_fetched and fetched[grown[i]]):
+            table[row, end] = blocks[i]
+            table_len[row] = end + 1
+            end += 1
+        positions[i] = end - 1
+        b = blocks[i]
+        sealed_out[i] = 0
+        if state[b] == 2:  # SEALED: a cached page leaves the prefix cache
+            sealed_out[i] = 2 if held[b] > 0 else 1
+            sealed += 1
+        state[b] = 1
+        fingerprint[b] = 0
+        verified_step[b] = -1
+        verified_before[b] = -1
+        previous_key[b] = owner_key[b]
+        owner_key[b] = 0
+        lost_evidence[b] = False
+        writer_of[b] = writers[i]
+        held[b] += 1
+    return 0, sealed

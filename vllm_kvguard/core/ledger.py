@@ -87,6 +87,9 @@ def _ids(values: Sequence[int] | np.ndarray = ()) -> np.ndarray:
 # written in place), so that a step's plan allocates no arrays it does not fill.
 _NONE = _ids()
 _NONE.flags.writeable = False
+# No table read whole this step (grow_decodes' ``fetched``; writeable, as the arrays it stands
+# for are: numba compiles read-only arrays apart).
+_NO_FLAGS = np.zeros(0, dtype=bool)
 
 
 def _none() -> np.ndarray:
@@ -114,6 +117,8 @@ def compiled() -> ModuleType | None:
             # Compile (or load from numba's cache) now, not in a step: the kinds the plan passes.
             for args in _warm_args():
                 _plankernels.place_decodes(*args)
+            for args in _warm_grow_args():
+                _plankernels.grow_decodes(*args)
             _compiled = _plankernels
         except Exception as exc:  # numba missing or unusable here: numpy computes the same
             _why_not = f"{type(exc).__name__}: {exc}"
@@ -130,6 +135,41 @@ def _warm_args() -> list[tuple[object, ...]]:
     cached.flags.writeable = False
     table = np.zeros((1, 1), dtype=np.int32)
     return [(one, rows, table, one + 1, 16, np.empty((3, 1), dtype=np.int64)) for rows in (one, cached)]
+
+
+def _warm_grow_args() -> list[tuple[object, ...]]:
+    """grow_decodes' arguments of every kind a step passes (the mirror rows writeable or the
+    cached read-only ones, as for :func:`_warm_args`), on tables of one block: block 0 is
+    handed to writer 0 and appended to mirror row 0 (scratch tables, thrown away)."""
+    one = np.zeros(1, dtype=np.int64)
+    cached = one.copy()
+    cached.flags.writeable = False
+    out: list[tuple[object, ...]] = []
+    for rows in (one, cached):
+        out.append(
+            (
+                one,
+                one.copy(),
+                rows,
+                _NO_FLAGS,
+                False,
+                np.full((1, 2), -1, dtype=np.int32),
+                np.zeros(1, dtype=np.int64),
+                one.copy(),
+                np.zeros(1, dtype=np.uint8),
+                np.zeros(1, dtype=np.uint64),
+                np.zeros(1, dtype=np.int64),
+                np.zeros(1, dtype=np.int64),
+                np.zeros(1, dtype=np.uint64),
+                np.zeros(1, dtype=np.uint64),
+                np.zeros(1, dtype=bool),
+                np.zeros(1, dtype=np.int64),
+                np.zeros(1, dtype=np.int32),
+                np.empty(1, dtype=np.int64),
+                np.empty(1, dtype=np.int8),
+            )
+        )
+    return out
 
 
 def backend() -> str:
@@ -539,10 +579,12 @@ class BlockLedger:
         (unless the table was just read whole from vLLM, which has it already) and allocate
         them all at once, as the views path does one request at a time."""
         assert decodes.grown is not None and decodes.grown_blocks is not None
+        names = decodes.req_ids
+        req_ids = [names[i] for i in d_index[decodes.grown].tolist()]
+        if self._grow_compiled(decodes, d_rows, fetched, req_ids, plan):
+            return
         grown, blocks = decodes.grown, decodes.grown_blocks.astype(np.int64)
         rows = d_rows[grown]
-        names = decodes.req_ids
-        req_ids = [names[i] for i in d_index[grown].tolist()]
         ends = self._table_len[rows]
         append = np.ones(len(grown), dtype=bool) if fetched is None else ~fetched[grown]
         if np.count_nonzero(append):
@@ -554,6 +596,75 @@ class BlockLedger:
         self._allocate_many(req_ids, blocks, plan)
         plan.given.extend(blocks.tolist())
         plan.given_decodes = PageBatch(req_ids, positions, blocks)
+
+    def _grow_compiled(
+        self,
+        decodes: Decodes,
+        d_rows: np.ndarray,
+        fetched: np.ndarray | None,
+        req_ids: list[str],
+        plan: StepPlan,
+    ) -> bool:
+        """:meth:`_grow` in one compiled call (the tables' appends and the hand-out of every
+        block: ``_plankernels.grow_decodes``); False, with nothing changed, where numba is
+        missing, the arrays are of other kinds, or a block needs the audit's rare cases (the
+        numpy path then)."""
+        kernels = compiled()
+        grown, blocks = decodes.grown, decodes.grown_blocks
+        assert grown is not None and blocks is not None
+        if (
+            kernels is None
+            or grown.dtype != np.int64
+            or blocks.dtype != np.int64
+            or d_rows.dtype != np.int64
+            or not (grown.flags.c_contiguous and blocks.flags.c_contiguous and d_rows.flags.c_contiguous)
+            or (fetched is not None and (fetched.dtype != np.bool_ or not fetched.flags.c_contiguous))
+        ):
+            return False
+        numbers = np.fromiter(map(self._number, req_ids), dtype=np.int64, count=len(req_ids))
+        blocks = blocks.copy()  # kept in the holders' lists: not the caller's array
+        n = len(blocks)
+        positions = np.empty(n, dtype=np.int64)
+        sealed_out = np.empty(n, dtype=np.int8)
+        for _ in range(2):
+            status, value = kernels.grow_decodes(
+                grown,
+                blocks,
+                d_rows,
+                _NO_FLAGS if fetched is None else fetched,
+                fetched is not None,
+                self._table,
+                self._table_len,
+                numbers,
+                self.state,
+                self.fingerprint,
+                self.verified_step,
+                self.verified_before,
+                self.previous_key,
+                self.owner_key,
+                self.lost_evidence,
+                self.writer_of,
+                self.held,
+                positions,
+                sealed_out,
+            )
+            if status != 2:
+                break
+            self._widen(value)  # the mirror's columns grow on demand, then the same call again
+        if status != 0:
+            return False
+        if value:  # cached pages left the prefix cache for their new writers
+            for i in np.flatnonzero(sealed_out).tolist():
+                plan.forget.append(int(blocks[i]))
+            for i in np.flatnonzero(sealed_out == 2).tolist():
+                self._taken_from_reader(int(blocks[i]), req_ids[i])
+        given = self._given
+        for i, number in enumerate(numbers.tolist()):
+            given.setdefault(number, []).append(blocks[i : i + 1])
+        self._given_count += n
+        plan.given.extend(blocks.tolist())
+        plan.given_decodes = PageBatch(req_ids, positions, blocks)
+        return True
 
     def _allocate_many(self, req_ids: list[str], blocks: np.ndarray, plan: StepPlan) -> None:
         """:meth:`_allocate` of one block each for many requests, in a few numpy calls. The

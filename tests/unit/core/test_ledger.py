@@ -471,14 +471,22 @@ def test_sampled_reads_of_a_few_pages_match_the_general_path() -> None:
     assert any(step[0] for step in few) and any(step[1] for step in few) and any(step[2] for step in few)
 
 
+@pytest.mark.parametrize("use_compiled", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("case", ["free", "cached", "held", "quarantined", "filling", "twice", "unknown"])
-def test_decodes_given_a_block_plan_as_views_would(case: str) -> None:
+def test_decodes_given_a_block_plan_as_views_would(
+    monkeypatch: pytest.MonkeyPatch, case: str, use_compiled: bool
+) -> None:
     """A decode handed one new block goes with the decode batch (arrays, one allocation call
-    for all of them); planned as a view per request, the step is the same: tables, allocation
-    audit, page identity entries, rows written."""
+    for all of them: the compiled hand-out, or its numpy path); planned as a view per request,
+    the step is the same: tables, allocation audit, page identity entries, rows written."""
     import numpy as np
 
+    from vllm_kvguard.core import ledger as ledger_module
     from vllm_kvguard.core.ledger import Decodes
+
+    if not use_compiled:
+        monkeypatch.setattr(ledger_module, "_compiled", None)
+        monkeypatch.setattr(ledger_module, "_why_not", "ImportError: no numba")
 
     def run(batch: bool):
         ledger = BlockLedger(32, BS)
@@ -487,6 +495,12 @@ def test_decodes_given_a_block_plan_as_views_would(case: str) -> None:
         ledger.plan([req("c", 0, 12, True, [4, 5, 6], [4, 5, 6])])
         ledger.plan([req("d", 0, 2, True, [9], [9])])  # d writes block 9 (half full)
         ledger.release_request("c")  # c finished: 4, 5, 6 stay cached (sealed)
+        # Owners' keys (the scheduler records them): a block handed out keeps its last
+        # owner's as the previous one (lost-write evidence).
+        ledger.record_owners(np.arange(4, 10), np.arange(11, 17, dtype=np.uint64))
+        ledger.record_identity("c", np.arange(4, 7), np.arange(21, 24, dtype=np.uint64))
+        # (what earlier lives of blocks leave: a hand-out must reset these as well)
+        ledger.lost_evidence[4:10], ledger.verified_before[4:10] = True, 3
         if case == "held":
             ledger.plan([req("e", 8, 1, True, [10], [4, 5, 10])])  # e hits 4 and 5: held
         if case == "quarantined":
@@ -532,6 +546,11 @@ def test_decodes_given_a_block_plan_as_views_would(case: str) -> None:
             ledger.writer,
             ledger.verified_step.tolist(),
             ledger.footprint(),
+            ledger.verified_before.tolist(),
+            ledger.owner_key.tolist(),
+            ledger.previous_key.tolist(),
+            ledger.lost_evidence.tolist(),
+            ledger.fingerprint.tolist(),
             # The gauge's count, kept as blocks come and go, against a count of the lists.
             ledger.footprint()["blocks_given"] == sum(len(a) for g in ledger._given.values() for a in g),
         ), plan
@@ -564,11 +583,12 @@ def _decode_run(
     from vllm_kvguard.core import ledger as ledger_module
     from vllm_kvguard.core.ledger import Decodes
 
-    calls: dict[str, Any] = {"placed": 0, "fell back": 0}
+    calls: dict[str, Any] = {"placed": 0, "fell back": 0, "grown": 0}
     kernels = ledger_module.compiled()
     assert kernels is not None, ledger_module.backend()
 
     kinds = calls.setdefault("kinds", set())  # type: ignore[arg-type]
+    grow_kinds = calls.setdefault("grow_kinds", set())  # type: ignore[arg-type]
 
     class Counted:
         @staticmethod
@@ -576,6 +596,13 @@ def _decode_run(
             got = kernels.place_decodes(*args)
             calls["placed" if got[0] >= 0 else "fell back"] += 1
             kinds.add(tuple(numba.typeof(a) for a in args))  # type: ignore[attr-defined]
+            return got
+
+        @staticmethod
+        def grow_decodes(*args):
+            got = kernels.grow_decodes(*args)
+            calls["grown"] += got[0] == 0
+            grow_kinds.add(tuple(numba.typeof(a) for a in args))  # type: ignore[attr-defined]
             return got
 
     monkeypatch.setattr(ledger_module, "_compiled", Counted if use_compiled else None)
@@ -600,7 +627,7 @@ def _decode_run(
             decodes.grown = np.array(grown)
             decodes.grown_blocks = np.array([tables[ids[i]][-1] for i in grown])
         plan = ledger.plan([], read_budget=budget, now=float(step), decodes=decodes)
-        sealed = plan.sealed_decodes
+        sealed, given = plan.sealed_decodes, plan.given_decodes
         filled = sealed and (sealed.req_ids, sealed.positions.tolist(), sealed.blocks.tolist())
         out.append(
             (
@@ -615,6 +642,17 @@ def _decode_run(
                 ledger.state.tolist(),
                 ledger.verified_step.tolist(),
                 [ledger.table(r).tolist() for r in ids],
+                # What a hand-out changes besides (the compiled grow does it all in one call).
+                plan.forget,
+                given and (given.req_ids, given.positions.tolist(), given.blocks.tolist()),
+                ledger.held.tolist(),
+                ledger.writer,
+                ledger.footprint(),
+                ledger.verified_before.tolist(),
+                ledger.owner_key.tolist(),
+                ledger.previous_key.tolist(),
+                ledger.lost_evidence.tolist(),
+                ledger.fingerprint.tolist(),
             )
         )
         for r in ids:
@@ -638,10 +676,15 @@ def test_compiled_decode_placement_plans_as_the_numpy_path(
     numpy_path, none = _decode_run(monkeypatch, False, budget)
     assert compiled == numpy_path
     assert calls["placed"] == 11 and calls["fell back"] == 1 and none["placed"] == none["fell back"] == 0
+    # The blocks handed to decodes went through the compiled hand-out (every step that gave one).
+    given_steps = sum(1 for step in compiled if step[12])
+    assert given_steps >= 3 and calls["grown"] == given_steps and none["grown"] == 0
     # Every kind of arguments the steps passed (fresh and cached, read-only mirror rows among
     # them) is one the ledger compiles when it is made: no step waits for numba.
     warmed = {tuple(numba.typeof(a) for a in args) for args in ledger_module._warm_args()}
     assert len(warmed) == 2 and calls["kinds"] and calls["kinds"] <= warmed
+    warmed_grow = {tuple(numba.typeof(a) for a in args) for args in ledger_module._warm_grow_args()}
+    assert len(warmed_grow) == 2 and calls["grow_kinds"] and calls["grow_kinds"] <= warmed_grow
     seals = [step[2] for step in compiled]
     started = [step[4] for step in compiled]
     assert any(seals) and any(started) and all(step[6] for step in compiled)
