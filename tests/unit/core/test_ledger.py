@@ -471,6 +471,21 @@ def test_sampled_reads_of_a_few_pages_match_the_general_path() -> None:
     assert any(step[0] for step in few) and any(step[1] for step in few) and any(step[2] for step in few)
 
 
+def _handout_tables(ledger: BlockLedger) -> tuple[object, ...]:
+    """What handing a block to a new writer changes in the ledger, besides its state and table
+    (the compiled hand-out writes all of it in one call)."""
+    return (
+        ledger.held.tolist(),
+        ledger.writer,
+        ledger.footprint(),
+        ledger.verified_before.tolist(),
+        ledger.owner_key.tolist(),
+        ledger.previous_key.tolist(),
+        ledger.lost_evidence.tolist(),
+        ledger.fingerprint.tolist(),
+    )
+
+
 @pytest.mark.parametrize("use_compiled", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("case", ["free", "cached", "held", "quarantined", "filling", "twice", "unknown"])
 def test_decodes_given_a_block_plan_as_views_would(
@@ -542,15 +557,8 @@ def test_decodes_given_a_block_plan_as_views_would(
             sorted(violations),
             [ledger.table(r).tolist() for r in ("a", "b")],
             ledger.state.tolist(),
-            ledger.held.tolist(),
-            ledger.writer,
             ledger.verified_step.tolist(),
-            ledger.footprint(),
-            ledger.verified_before.tolist(),
-            ledger.owner_key.tolist(),
-            ledger.previous_key.tolist(),
-            ledger.lost_evidence.tolist(),
-            ledger.fingerprint.tolist(),
+            _handout_tables(ledger),
             # The gauge's count, kept as blocks come and go, against a count of the lists.
             ledger.footprint()["blocks_given"] == sum(len(a) for g in ledger._given.values() for a in g),
         ), plan
@@ -645,14 +653,7 @@ def _decode_run(
                 # What a hand-out changes besides (the compiled grow does it all in one call).
                 plan.forget,
                 given and (given.req_ids, given.positions.tolist(), given.blocks.tolist()),
-                ledger.held.tolist(),
-                ledger.writer,
-                ledger.footprint(),
-                ledger.verified_before.tolist(),
-                ledger.owner_key.tolist(),
-                ledger.previous_key.tolist(),
-                ledger.lost_evidence.tolist(),
-                ledger.fingerprint.tolist(),
+                _handout_tables(ledger),
             )
         )
         for r in ids:
