@@ -110,3 +110,56 @@ def grow_decodes(
         writer_of[b] = writers[i]
         held[b] += 1
     return 0, sealed
+
+
+@numba.njit(cache=True, nogil=True)
+def close_decodes(
+    blocks,
+    slots,
+    block_size,
+    state,
+    generation,
+    writer_of,
+    checked_at,
+    verified_step,
+    verified_before,
+    now,
+    step,
+    fill_out,
+    begun_out,
+):
+    # After a decode step's placement (decode i writes slot slots[i] of block blocks[i]): the
+    # pages whose last slot a decode writes are sealed after the forward (not a quarantined one:
+    # its index is left out), the pages whose first slot one writes are begun; both are marked
+    # verified at ``step`` (the ledger's numpy path: _sealed, then mark_verified). Writes the
+    # indices of the pages sealed into fill_out, of those begun into begun_out; returns how many
+    # of each, or (-1, -1), with nothing changed, where two decodes fill the same block (a
+    # fault's doing: the numpy path's fancy-indexed writes count it once).
+    n_fill = 0
+    n_begun = 0
+    for i in range(blocks.shape[0]):
+        if slots[i] == block_size - 1 and state[blocks[i]] != 3:  # not QUARANTINED
+            fill_out[n_fill] = i
+            n_fill += 1
+        if slots[i] == 0:
+            begun_out[n_begun] = i
+            n_begun += 1
+    if n_fill > 1:
+        filled = blocks[fill_out[:n_fill]]
+        filled.sort()
+        for j in range(1, n_fill):
+            if filled[j] == filled[j - 1]:
+                return -1, -1
+    for j in range(n_fill):
+        b = blocks[fill_out[j]]
+        state[b] = 2  # SEALED
+        generation[b] += 1
+        writer_of[b] = -1
+    for j in range(n_fill + n_begun):
+        b = blocks[fill_out[j]] if j < n_fill else blocks[begun_out[j - n_fill]]
+        checked_at[b] = now
+        last = verified_step[b]
+        if last != step:
+            verified_before[b] = last
+        verified_step[b] = step
+    return n_fill, n_begun

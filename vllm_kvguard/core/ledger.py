@@ -119,6 +119,8 @@ def compiled() -> ModuleType | None:
                 _plankernels.place_decodes(*args)
             for args in _warm_grow_args():
                 _plankernels.grow_decodes(*args)
+            for args in _warm_close_args():
+                _plankernels.close_decodes(*args)
             _compiled = _plankernels
         except Exception as exc:  # numba missing or unusable here: numpy computes the same
             _why_not = f"{type(exc).__name__}: {exc}"
@@ -170,6 +172,29 @@ def _warm_grow_args() -> list[tuple[object, ...]]:
             )
         )
     return out
+
+
+def _warm_close_args() -> list[tuple[object, ...]]:
+    """close_decodes' arguments as a step passes them (the placement's rows of blocks and slots,
+    the ledger's tables), on one block (scratch tables, thrown away)."""
+    placed = np.zeros((3, 1), dtype=np.int64)
+    return [
+        (
+            placed[0],
+            placed[1],
+            16,
+            np.zeros(1, dtype=np.uint8),
+            np.zeros(1, dtype=np.uint32),
+            np.zeros(1, dtype=np.int64),
+            np.zeros(1, dtype=np.float64),
+            np.zeros(1, dtype=np.int64),
+            np.zeros(1, dtype=np.int64),
+            0.0,
+            1,
+            np.empty(1, dtype=np.int64),
+            np.empty(1, dtype=np.int64),
+        )
+    ]
 
 
 def backend() -> str:
@@ -540,7 +565,13 @@ class BlockLedger:
                 plan.hit_pages.append((req.req_id, hit))
             if last_sealed > first_sealed:
                 self._seal(req.req_id, table[first_sealed:last_sealed].astype(np.int64), first_sealed, plan)
-        if len(d_blocks) and fills:
+        # Views' pages sealed before the decodes' (marked verified apart where the decodes' are
+        # closed in one compiled call).
+        view_seals = len(plan.seal)
+        closed = self._close_decodes(decodes, d_index, d_blocks, d_slots, col, fills, begun_count, now, plan)
+        if closed is not None:
+            begun = closed
+        elif len(d_blocks) and fills:
             # Pages whose last slot a decode writes: sealed after the forward (one entry per
             # request that fills one: what changed).
             assert decodes is not None
@@ -558,14 +589,69 @@ class BlockLedger:
             plan.written_slots = np.concatenate([_ids(rows_s), d_slots])
         else:  # a step of decodes only
             plan.written_blocks, plan.written_slots = d_blocks, d_slots
-        begun = d_blocks[d_slots == 0] if len(d_blocks) and begun_count else _NONE
+        if closed is None:
+            begun = d_blocks[d_slots == 0] if len(d_blocks) and begun_count else _NONE
         plan.started = np.concatenate([_ids(started), begun]) if started else begun
-        if plan.seal or plan.verify or len(plan.started):
+        if closed is not None:  # the decodes' pages are marked already: the views' only
+            if view_seals or plan.verify or started:
+                views = [_ids(plan.seal[:view_seals]), _ids(plan.verify), _ids(started)]
+                self.mark_verified(np.concatenate(views), now)
+        elif plan.seal or plan.verify or len(plan.started):
             self.mark_verified(np.concatenate([_ids(plan.seal), _ids(plan.verify), plan.started]), now)
         if read_budget != 0:
             running = [(r.req_id, r.num_computed) for r in requests if not r.fresh and r.num_computed >= bs]
             plan.read_verify, plan.read_partial = self._reads(running, decoded, read_budget, now)
         return plan
+
+    def _close_decodes(
+        self,
+        decodes: Decodes | None,
+        d_index: np.ndarray,
+        d_blocks: np.ndarray,
+        d_slots: np.ndarray,
+        col: np.ndarray,
+        fills: int,
+        begun_count: int,
+        now: float,
+        plan: StepPlan,
+    ) -> np.ndarray | None:
+        """The decodes' pages filled (sealed) and begun, both marked verified, in one compiled
+        call (``_plankernels.close_decodes``) where the compiled placement counted them; returns
+        the blocks begun, or None, with nothing changed, for the numpy path."""
+        if decodes is None or fills < 0 or begun_count < 0:
+            return None  # no decodes, or placed by the numpy path: it closes them too
+        if not fills and not begun_count:
+            return _NONE
+        kernels = compiled()
+        if kernels is None:
+            return None
+        n = len(d_blocks)
+        fill_out = np.empty(n, dtype=np.int64)
+        begun_out = np.empty(n, dtype=np.int64)
+        n_fill, n_begun = kernels.close_decodes(
+            d_blocks,
+            d_slots,
+            self.block_size,
+            self.state,
+            self.generation,
+            self.writer_of,
+            self.checked_at,
+            self.verified_step,
+            self.verified_before,
+            float(now),
+            self.step,
+            fill_out,
+            begun_out,
+        )
+        if n_fill < 0:
+            return None
+        if n_fill:
+            fill = fill_out[:n_fill]
+            blocks = d_blocks[fill]
+            plan.seal.extend(blocks.tolist())
+            names = decodes.req_ids
+            plan.sealed_decodes = PageBatch([names[i] for i in d_index[fill].tolist()], col[fill], blocks)
+        return d_blocks[begun_out[:n_begun]] if n_begun else _NONE
 
     def _grow(
         self,

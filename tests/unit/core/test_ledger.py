@@ -471,6 +471,33 @@ def test_sampled_reads_of_a_few_pages_match_the_general_path() -> None:
     assert any(step[0] for step in few) and any(step[1] for step in few) and any(step[2] for step in few)
 
 
+@pytest.mark.parametrize("use_compiled", [True, False], ids=["compiled", "numpy"])
+def test_two_decodes_filling_one_block_close_it_once(
+    monkeypatch: pytest.MonkeyPatch, use_compiled: bool
+) -> None:
+    """Two decodes whose last slot falls in the same block (one handed to both: a double
+    allocation) seal it once: one generation more, one entry in the plan's seals per writer as
+    vLLM sent them, the same with the compiled closing of the step's pages (which leaves such a
+    step to the numpy path) as without."""
+    import numpy as np
+
+    from vllm_kvguard.core import ledger as ledger_module
+    from vllm_kvguard.core.ledger import Decodes
+
+    if not use_compiled:
+        monkeypatch.setattr(ledger_module, "_compiled", None)
+        monkeypatch.setattr(ledger_module, "_why_not", "ImportError: no numba")
+    ledger = BlockLedger(16, BS)
+    ledger.plan([req("a", 0, BS - 1, True, [1], [1]), req("b", 0, BS - 1, True, [1], [1])])
+    assert [v.what for v in ledger.take_violations()] == [Violation.DOUBLE_ALLOCATION]
+    before = int(ledger.generation[1])
+    decodes = Decodes(["a", "b"], None, np.array([BS - 1, BS - 1], dtype=np.int64), lambda r: [1])
+    plan = ledger.plan([], now=5.0, decodes=decodes)
+    assert plan.seal == [1, 1] and ledger.state[1] == BlockState.SEALED
+    assert int(ledger.generation[1]) == before + 1
+    assert ledger.verified_step[1] == ledger.step and ledger.checked_at[1] == 5.0
+
+
 def _handout_tables(ledger: BlockLedger) -> tuple[object, ...]:
     """What handing a block to a new writer changes in the ledger, besides its state and table
     (the compiled hand-out writes all of it in one call)."""
@@ -591,12 +618,13 @@ def _decode_run(
     from vllm_kvguard.core import ledger as ledger_module
     from vllm_kvguard.core.ledger import Decodes
 
-    calls: dict[str, Any] = {"placed": 0, "fell back": 0, "grown": 0}
+    calls: dict[str, Any] = {"placed": 0, "fell back": 0, "grown": 0, "closed": 0}
     kernels = ledger_module.compiled()
     assert kernels is not None, ledger_module.backend()
 
     kinds = calls.setdefault("kinds", set())  # type: ignore[arg-type]
     grow_kinds = calls.setdefault("grow_kinds", set())  # type: ignore[arg-type]
+    close_kinds = calls.setdefault("close_kinds", set())  # type: ignore[arg-type]
 
     class Counted:
         @staticmethod
@@ -604,6 +632,13 @@ def _decode_run(
             got = kernels.place_decodes(*args)
             calls["placed" if got[0] >= 0 else "fell back"] += 1
             kinds.add(tuple(numba.typeof(a) for a in args))  # type: ignore[attr-defined]
+            return got
+
+        @staticmethod
+        def close_decodes(*args):
+            got = kernels.close_decodes(*args)
+            calls["closed"] += got[0] >= 0
+            close_kinds.add(tuple(numba.typeof(a) for a in args))  # type: ignore[attr-defined]
             return got
 
         @staticmethod
@@ -654,6 +689,9 @@ def _decode_run(
                 plan.forget,
                 given and (given.req_ids, given.positions.tolist(), given.blocks.tolist()),
                 _handout_tables(ledger),
+                # What closing a step's pages changes besides (seals, checks).
+                ledger.generation.tolist(),
+                ledger.checked_at.tolist(),
             )
         )
         for r in ids:
@@ -686,6 +724,12 @@ def test_compiled_decode_placement_plans_as_the_numpy_path(
     assert len(warmed) == 2 and calls["kinds"] and calls["kinds"] <= warmed
     warmed_grow = {tuple(numba.typeof(a) for a in args) for args in ledger_module._warm_grow_args()}
     assert len(warmed_grow) == 2 and calls["grow_kinds"] and calls["grow_kinds"] <= warmed_grow
+    # Pages filled and begun by the decodes closed in one compiled call on the steps that had
+    # any (sealed, marked verified); none through it on the numpy path.
+    closing = sum(1 for step in compiled if step[3] or step[4])
+    assert closing >= 3 and closing - calls["fell back"] <= calls["closed"] <= closing and none["closed"] == 0
+    warmed_close = {tuple(numba.typeof(a) for a in args) for args in ledger_module._warm_close_args()}
+    assert calls["close_kinds"] and calls["close_kinds"] <= warmed_close
     seals = [step[2] for step in compiled]
     started = [step[4] for step in compiled]
     assert any(seals) and any(started) and all(step[6] for step in compiled)
