@@ -161,8 +161,14 @@ class KVPages:
         if self._host_pages is not None:
             if self._host_pages[1] is not None:
                 self._word_test = EXPONENT_TESTS[self.tensors[0].dtype][:3]
-            # The seal's one-pass kernel compiled (or loaded) now, not in the first step that seals.
+            # The seal's one-pass kernel compiled (or loaded) now, not in the first step that seals,
+            # and its checks of this pool's pages taken once (not in every seal).
             rowhash.compiled()
+        self._facts: rowhash.PoolFacts | None = None
+        if self._page_at is not None:
+            self._facts = rowhash.pool_facts_plan(
+                self._page_at, self._stride[0], self.page_bytes[0], self._word_test
+            )
 
     def _host_pool(self) -> tuple[list[np.ndarray], tuple[int, int] | None] | None:
         """Every layer's pages as numpy element lanes, for :meth:`seal_facts` on the host:
@@ -378,8 +384,11 @@ class KVPages:
         assert self._host_pages is not None
         views, test = self._host_pages
         ids = np.asarray(block_ids, dtype=np.int64)
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_blocks):
-            raise IndexError(f"block ids outside the pool's {self.num_blocks} blocks")
+        # (a step's few pages tested in Python: two numpy reductions cost more after a forward)
+        if len(ids):
+            lo_id, hi_id = (min(block_ids), max(block_ids)) if len(ids) <= 8 else (ids.min(), ids.max())
+            if lo_id < 0 or hi_id >= self.num_blocks:
+                raise IndexError(f"block ids outside the pool's {self.num_blocks} blocks")
         check = check_finite and test is not None
         layers = self.num_layers
         elements = views[0].shape[2]
@@ -398,17 +407,10 @@ class KVPages:
                     visit(lo, part, None)
                 if not (with_syndromes or check):
                     continue
-                facts = rowhash.pool_facts(
-                    self._page_at,
-                    self._stride[0],
-                    part,
-                    self.page_bytes[0],
-                    self._word_test if check else None,
-                )
-                # (compiled, every address aligned: checked above; a page too large for the
-                # syndromes to address fails numpy's passes as well)
-                assert facts is not None
-                self._take_facts(facts, lo, k, with_syndromes, check, flags, syn)
+                # (compiled, every address aligned: checked when the pool was made; a page too
+                # large for the syndromes to address fails numpy's passes as well)
+                assert self._facts is not None
+                self._take_facts(self._facts(part, check), lo, k, with_syndromes, check, flags, syn)
             return
         if self._scratch is None:
             chunk = max(1, self.SCRATCH_BYTES // (per_block * views[0].itemsize))

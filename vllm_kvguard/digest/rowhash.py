@@ -150,6 +150,49 @@ def page_facts(lanes: np.ndarray, test: tuple[int, int, int] | None) -> tuple[np
     )
 
 
+class PoolFacts:
+    """:func:`pool_facts` of one pool, its tests and constants taken once (a step's seal then
+    pays one allocation each for the results and the compiled call): made by
+    :func:`pool_facts_plan`."""
+
+    def __init__(
+        self, kernel: Any, layer_at: np.ndarray, page_bytes: int, words: int, test: tuple[int, int, int]
+    ):
+        self._kernel = kernel
+        self._layer_at = layer_at
+        self._page_bytes = page_bytes
+        self._words = words
+        self._layers = len(layer_at)
+        self._test = tuple(np.uint64(x & _WORD) for x in test)
+        self._no_test = (np.uint64(0),) * 3
+
+    def __call__(self, ids: np.ndarray, check: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(syndromes, NaN/Inf flags) of the pages ``ids`` (inside the pool: the caller checks),
+        as :func:`pool_facts` gives them; ``check``: the NaN/Inf test (else all False)."""
+        n = self._layers * len(ids)
+        syn = np.empty((n, SYNDROME_WORDS), dtype=np.uint64)
+        flags = np.empty(n, dtype=bool)
+        mask, low, sign = self._test if check else self._no_test
+        self._kernel(self._layer_at, self._page_bytes, ids, self._words, mask, low, sign, check, syn, flags)
+        return syn, flags
+
+
+def pool_facts_plan(
+    layer_at: np.ndarray, page_bytes: int, size: int, test: tuple[int, int, int] | None
+) -> PoolFacts | None:
+    """:func:`pool_facts` for pages of this pool, checked once; None where it would return
+    None (numpy's passes then)."""
+    kernels = compiled()
+    layer_at = np.ascontiguousarray(layer_at, dtype=np.int64)
+    if kernels is None or size % 8 or page_bytes % 8 or (layer_at % 8).any():
+        return None
+    words = size // 8
+    rows = -(-words // 64)
+    if (rows - 1).bit_length() > SYNDROME_WORDS - 7:
+        return None  # a page larger than syndromes address: numpy's passes raise
+    return PoolFacts(kernels["page_facts"], layer_at, page_bytes, words, test or (0, 0, 0))
+
+
 def pool_facts(
     layer_at: np.ndarray, page_bytes: int, ids: np.ndarray, size: int, test: tuple[int, int, int] | None
 ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -162,30 +205,8 @@ def pool_facts(
     ``dtypes.EXPONENT_TESTS``), whether each page holds a NaN or Inf (all False without). None
     without numba, for pages that are not whole aligned words, or too large for the syndromes
     to address (numpy's passes then)."""
-    kernels = compiled()
-    if kernels is None or size % 8 or page_bytes % 8 or (np.asarray(layer_at) % 8).any():
-        return None
-    words = size // 8
-    rows = -(-words // 64)
-    if (rows - 1).bit_length() > SYNDROME_WORDS - 7:
-        return None  # a page larger than syndromes address: numpy's passes raise
-    n = len(layer_at) * len(ids)
-    syn = np.empty((n, SYNDROME_WORDS), dtype=np.uint64)
-    flags = np.empty(n, dtype=bool)
-    mask, low, sign = (np.uint64(x & _WORD) for x in (test if test is not None else (0, 0, 0)))
-    kernels["page_facts"](
-        np.asarray(layer_at, dtype=np.int64),
-        page_bytes,
-        ids,
-        words,
-        mask,
-        low,
-        sign,
-        test is not None,
-        syn,
-        flags,
-    )
-    return syn, flags
+    plan = pool_facts_plan(layer_at, page_bytes, size, test)
+    return None if plan is None else plan(ids, test is not None)
 
 
 _WORD = (1 << 64) - 1

@@ -51,11 +51,12 @@ class DigestTable:
         self, block_ids: Sequence[int], digests: np.ndarray, syndromes: np.ndarray | None = None
     ) -> None:
         if len(block_ids):
-            self.previous[block_ids] = self.digests[block_ids]
-            self.digests[block_ids] = digests
+            ids = np.asarray(block_ids, dtype=np.int64)  # (once: not one conversion per table)
+            self.previous[ids] = self.digests[ids]
+            self.digests[ids] = digests
             if syndromes is not None:
-                self.syndromes[block_ids] = syndromes
-            self.sealed[block_ids] = True
+                self.syndromes[ids] = syndromes
+            self.sealed[ids] = True
 
     def seal_record(self, block_id: int, layer: int) -> tuple[int, int, np.ndarray]:
         """(digest, previous digest, syndrome) of one page's seal, on the host (the rare path)."""
