@@ -146,55 +146,44 @@ def _warm_grow_args() -> list[tuple[object, ...]]:
     one = np.zeros(1, dtype=np.int64)
     cached = one.copy()
     cached.flags.writeable = False
-    out: list[tuple[object, ...]] = []
-    for rows in (one, cached):
-        out.append(
-            (
-                one,
-                one.copy(),
-                rows,
-                _NO_FLAGS,
-                False,
-                np.full((1, 2), -1, dtype=np.int32),
-                np.zeros(1, dtype=np.int64),
-                one.copy(),
-                np.zeros(1, dtype=np.uint8),
-                np.zeros(1, dtype=np.uint64),
-                np.zeros(1, dtype=np.int64),
-                np.zeros(1, dtype=np.int64),
-                np.zeros(1, dtype=np.uint64),
-                np.zeros(1, dtype=np.uint64),
-                np.zeros(1, dtype=bool),
-                np.zeros(1, dtype=np.int64),
-                np.zeros(1, dtype=np.int32),
-                np.empty(1, dtype=np.int64),
-                np.empty(1, dtype=np.int8),
-            )
+    # table_len, writers, then the ledger's tables in grow_decodes' order (state .. held)
+    tables = (
+        np.int64,
+        np.int64,
+        np.uint8,
+        np.uint64,
+        np.int64,
+        np.int64,
+        np.uint64,
+        np.uint64,
+        bool,
+        np.int64,
+    )
+    return [
+        (
+            one,
+            one.copy(),
+            rows,
+            _NO_FLAGS,
+            False,
+            np.full((1, 2), -1, dtype=np.int32),
+            *(np.zeros(1, dtype=t) for t in tables),
+            np.zeros(1, dtype=np.int32),
+            np.empty(1, dtype=np.int64),
+            np.empty(1, dtype=np.int8),
         )
-    return out
+        for rows in (one, cached)
+    ]
 
 
 def _warm_close_args() -> list[tuple[object, ...]]:
     """close_decodes' arguments as a step passes them (the placement's rows of blocks and slots,
     the ledger's tables), on one block (scratch tables, thrown away)."""
     placed = np.zeros((3, 1), dtype=np.int64)
-    return [
-        (
-            placed[0],
-            placed[1],
-            16,
-            np.zeros(1, dtype=np.uint8),
-            np.zeros(1, dtype=np.uint32),
-            np.zeros(1, dtype=np.int64),
-            np.zeros(1, dtype=np.float64),
-            np.zeros(1, dtype=np.int64),
-            np.zeros(1, dtype=np.int64),
-            0.0,
-            1,
-            np.empty(1, dtype=np.int64),
-            np.empty(1, dtype=np.int64),
-        )
-    ]
+    # state, generation, writer_of, checked_at, verified_step, verified_before
+    tables = (np.uint8, np.uint32, np.int64, np.float64, np.int64, np.int64)
+    out = (np.empty(1, dtype=np.int64), np.empty(1, dtype=np.int64))
+    return [(placed[0], placed[1], 16, *(np.zeros(1, dtype=t) for t in tables), 0.0, 1, *out)]
 
 
 def backend() -> str:
