@@ -545,7 +545,8 @@ class KVGuardWorker:
         if self.rows is not None:
             # Before the forward: blocks handed to new owners keep their rows as the previous
             # generation's; the rows this forward writes are recorded after it (wait_for_save).
-            self.rows.roll(plan.given)
+            if plan.given:
+                self.rows.roll(plan.given)
             if self._tainted:
                 for block in plan.given:
                     self._tainted.pop(block, None)
@@ -563,7 +564,8 @@ class KVGuardWorker:
             if self.rows is not None:
                 self.rows.forget(meta.zero)
         # Before the forward: this step's prefix hits are read by its attention.
-        self.table.forget(plan.forget)
+        if plan.forget:
+            self.table.forget(plan.forget)
         if isinstance(self.table, DeviceDigestTable) and (plan.verify or meta.scrub):
             self._verify_on_device(meta)
         else:

@@ -505,6 +505,11 @@ class RowDigests:
         # to the largest check).
         self._page_scratch = np.zeros(block_size, dtype=np.uint64)
         self._changed = np.zeros(0, dtype=np.int64)
+        # record_written's compiled call (found once) and its outputs (grown to the largest
+        # step: a step's flags are a view of them, valid until the next call).
+        self._keep_written: Any = None
+        self._same = np.zeros(0, dtype=bool)
+        self._missed = np.zeros(0, dtype=np.int64)
 
     def nbytes(self) -> int:
         return self.rows.nbytes + self.previous.nbytes
@@ -597,19 +602,28 @@ class RowDigests:
         comparison with the previous owner's rows. Rows that did not land are digested from
         their pages, as :meth:`record` does. None (nothing recorded) where the rows are not in
         written order, or the pages cannot be read by address (:attr:`HostRows.land`): the
-        caller records them another way."""
+        caller records them another way. The flags returned are a view of a buffer kept here
+        (no allocation a step): valid until the next call."""
         host = self.host
-        kernels = rowhash.compiled()
-        if host is None or host.land is None or host.probe_spec is None or kernels is None:
+        keep = self._keep_written
+        if keep is None:
+            kernels = rowhash.compiled()
+            if kernels is None:
+                return None
+            keep = self._keep_written = kernels["keep_written"]
+        if host is None or host.land is None or host.probe_spec is None:
             return None
         n = len(blocks)
         if len(flat) != n or len(sums) != n or len(probe) != n:
             return None
         blocks = _ints(blocks)
         slots = _ints(slots)
-        same = np.zeros(n, dtype=bool)
-        missed = np.empty(n, dtype=np.int64)
-        count = kernels["keep_written"](
+        if len(self._same) < n:
+            self._same = np.zeros(max(n, 2 * len(self._same)), dtype=bool)
+            self._missed = np.zeros(len(self._same), dtype=np.int64)
+        same = self._same[:n]  # (every flag written: by the call, the rows that did not land below)
+        missed = self._missed[:n]
+        count = keep(
             blocks,
             slots,
             flat,

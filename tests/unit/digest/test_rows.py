@@ -213,6 +213,12 @@ def test_rows_kept_as_written_in_one_call_are_what_record_keeps() -> None:
     assert np.flatnonzero(same).tolist() == [2, 5]  # row 5: the page's old row, not as handed
     assert np.array_equal(fast.rows, slow.rows)
     assert fast.rows[b[5], s[5]] == fast.hash(b[5:6], s[5:6])[0] != rowhash.finish(sums[5:6])[0]
+    # The next step's flags are its own (they come from a buffer kept between calls): with no
+    # previous owner's rows left, none reads as one, the row that did not land included.
+    first = same.copy()
+    fast.previous[:] = 0
+    again = fast.record_written(b, s, flat, sums, probe)
+    assert again is not None and not again.any() and first.any()
     # Not in the order written: nothing kept.
     other = fresh()
     assert other.record_written(b, s, flat[::-1].copy(), sums, probe) is None and not other.rows.any()
