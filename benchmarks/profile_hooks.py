@@ -77,11 +77,11 @@ def main() -> None:
         "before_output",
         "after_output",
     ]
-    # Per step (one entry per build_connector_meta): its kind, and each side's seconds.
+    # Per step (one entry per build_connector_meta): its kind, each side's seconds, each hook's.
     steps_seen: list[list[Any]] = []
 
     def note_step(so: Any, meta: Any) -> None:
-        steps_seen.append([_step_kind(so, meta), 0.0, 0.0])
+        steps_seen.append([_step_kind(so, meta), 0.0, 0.0, {}])
 
     for name in hooks:
         original = getattr(connector.KVGuardConnector, name)
@@ -102,7 +102,9 @@ def main() -> None:
                 if _name == "build_connector_meta" and out is not None:
                     note_step(args[0], out)
                 if steps_seen:
-                    steps_seen[-1][_side] += spent
+                    step = steps_seen[-1]
+                    step[_side] += spent
+                    step[3][_name] = step[3].get(_name, 0.0) + spent
 
         setattr(connector.KVGuardConnector, name, timed)
     import vllm_kvguard.connector.patches as patches
@@ -118,7 +120,10 @@ def main() -> None:
                 spent = time.perf_counter() - start
                 totals.setdefault("kv write (in the forward)", []).append(spent)
                 if steps_seen:
-                    steps_seen[-1][2] += spent
+                    step = steps_seen[-1]
+                    step[2] += spent
+                    name = "kv write (in the forward)"
+                    step[3][name] = step[3].get(name, 0.0) + spent
                 cpu["kv write (in the forward)"] = (
                     cpu.get("kv write (in the forward)", 0.0) + time.thread_time() - cpu_start
                 )
@@ -246,6 +251,12 @@ def _print_kinds(steps_seen: list[list[Any]], spent: float) -> None:
             f"    {kind:20s} {len(mine):4d} steps  {share:6.1%} of the guard's time"
             f"  scheduler {sched:7.1f}  worker {work:7.1f}"
         )
+    quiet = [s[3] for s in steps_seen if s[0] == KINDS[-1]]
+    if quiet:
+        names = sorted({name for hooks in quiet for name in hooks})
+        medians = {name: statistics.median(h.get(name, 0.0) for h in quiet) * 1e6 for name in names}
+        parts = ", ".join(f"{name} {us:.1f}" for name, us in sorted(medians.items(), key=lambda kv: -kv[1]))
+        print(f"    quiet decode, us a step by hook (medians): {parts}")
 
 
 def _xxh3_seconds(page: int, total: int) -> float:
