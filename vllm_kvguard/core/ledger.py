@@ -560,12 +560,13 @@ class BlockLedger:
         closed = self._close_decodes(decodes, d_index, d_blocks, d_slots, col, fills, begun_count, now, plan)
         if closed is not None:
             begun = closed
-        elif len(d_blocks) and fills:
-            # Pages whose last slot a decode writes: sealed after the forward (one entry per
-            # request that fills one: what changed).
-            assert decodes is not None
-            fill = np.flatnonzero(d_slots == bs - 1)
+        else:
+            begun = d_blocks[d_slots == 0] if len(d_blocks) and begun_count else _NONE
+            fill = np.flatnonzero(d_slots == bs - 1) if len(d_blocks) and fills else _NONE
             if len(fill):
+                # Pages whose last slot a decode writes: sealed after the forward (one entry per
+                # request that fills one: what changed).
+                assert decodes is not None
                 fill = fill[self.state[d_blocks[fill]] != QUARANTINED]
                 self._sealed(d_blocks[fill], plan)
                 if len(fill):
@@ -578,8 +579,6 @@ class BlockLedger:
             plan.written_slots = np.concatenate([_ids(rows_s), d_slots])
         else:  # a step of decodes only
             plan.written_blocks, plan.written_slots = d_blocks, d_slots
-        if closed is None:
-            begun = d_blocks[d_slots == 0] if len(d_blocks) and begun_count else _NONE
         plan.started = np.concatenate([_ids(started), begun]) if started else begun
         if closed is not None:  # the decodes' pages are marked already: the views' only
             if view_seals or plan.verify or started:
