@@ -1,7 +1,7 @@
 """Where the guard's time goes, hook by hook, on the `kvguard bench` workload.
 
     python benchmarks/profile_hooks.py [reuse|sampled|paranoid] [--concurrency 16] [--pyinstrument out.txt]
-                                       [--lines module:Class.method,...]
+                                       [--lines module:Class.method,...] [--floor empty|facade]
 
 Runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the
 scheduler and worker halves of the guard can be timed directly, then prints
@@ -19,6 +19,14 @@ scheduler side <= 30 us and the worker side <= 20 us). Per kind: steps, their sh
 guard's time, and the median us a step of each side (scheduler: build_connector_meta,
 update_connector_output, get_kv_connector_stats, before_output, after_output; worker: the rest,
 the write op's observer included).
+
+With ``--floor`` the same run measures what is under the guard's own work, timed the same way:
+``--floor empty`` makes the connector's hooks empty functions (no guard code, no write-op
+observer, no ``update_from_output`` patch: what vLLM calling a KV connector's hooks costs in this
+engine, and this script timing them); ``--floor facade`` keeps the guard's connector class, its
+error handling and its per-step accounting (the worker's step time, the write op's wrapper) but
+makes the scheduler and worker sides do nothing else. The guard's own quiet step cannot cost less
+than the first; what it does beyond the second is its checking.
 """
 
 from __future__ import annotations
@@ -42,6 +50,11 @@ def main() -> None:
         help="line-profile these functions, comma-separated module:qualname "
         "(e.g. vllm_kvguard.connector.worker:KVGuardWorker.wait_for_save)",
     )
+    ap.add_argument(
+        "--floor",
+        choices=["empty", "facade"],
+        help="measure the floor instead of the guard: empty hooks, or the guard's facade with idle sides",
+    )
     a = ap.parse_args()
     os.environ.update(
         VLLM_KVGUARD="1",
@@ -57,6 +70,8 @@ def main() -> None:
     from vllm_kvguard.tools.bench import WARMUP, engine_args, workload
     from vllm_kvguard.tools.tinymodel import build_tiny_model
 
+    if a.floor:
+        _install_floor(a.floor)
     model = build_tiny_model(
         Path(tempfile.gettempdir()) / "kvguard-bench-model", layers=4, hidden=512, heads=8, kv_heads=8
     )
@@ -173,6 +188,8 @@ def main() -> None:
         )
     spent = sum(sum(v) for v in totals.values())
     share = spent / elapsed
+    if a.floor:
+        print(f"floor {a.floor!r} (not the guard's work: see --floor)")
     print(
         f"policy {a.policy}: generate() {elapsed:.3f} s, inside the guard {spent * 1e3:.1f} ms ({share:.2%})"
     )
@@ -279,6 +296,74 @@ def _xxh3_seconds(page: int, total: int) -> float:
             h(view[at : at + page])
         runs.append(time.perf_counter() - start)
     return statistics.median(runs) * total / len(buf)
+
+
+def _install_floor(kind: str) -> None:
+    """Before the engine is built: the connector's hooks empty (``empty``), or the guard's two
+    sides idle behind its facade (``facade``). Every step's metadata is one empty plan."""
+    import vllm_kvguard.connector as connector
+    from vllm_kvguard.connector import patches
+    from vllm_kvguard.connector.metadata import KVGuardMetadata
+    from vllm_kvguard.connector.scheduler import KVGuardScheduler
+    from vllm_kvguard.connector.worker import KVGuardWorker
+    from vllm_kvguard.core.ledger import StepPlan
+
+    empty_meta = KVGuardMetadata(StepPlan(0))
+
+    def nothing(self: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    if kind == "empty":
+        cls: Any = connector.KVGuardConnector
+        patches.patch_scheduler = lambda: True  # no update_from_output wrapper, no before/after calls
+        cls.register_kv_caches = nothing  # no write-op observer
+        # vLLM's base class keeps the step's metadata (its per-layer calls need it bound).
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as base
+
+        cls.bind_connector_metadata = base.bind_connector_metadata
+        cls.clear_connector_metadata = base.clear_connector_metadata
+        for name in (
+            "wait_for_layer_load",
+            "wait_for_save",
+            "finish_forward",
+            "update_state_after_alloc",
+            "update_connector_output",
+        ):
+            setattr(cls, name, nothing)
+        cls.build_connector_meta = lambda self, so: empty_meta
+        cls.build_connector_worker_meta = nothing
+        cls.get_kv_connector_stats = nothing
+        cls.get_block_ids_with_load_errors = lambda self: set()
+        cls.request_finished = lambda self, request, block_ids: (False, None)
+        return
+    sched: Any = KVGuardScheduler
+    work: Any = KVGuardWorker
+    sched.build_connector_meta = lambda self, so: empty_meta
+    for name in (
+        "before_output",
+        "after_output",
+        "update_connector_output",
+        "note_request",
+        "request_finished",
+    ):
+        setattr(sched, name, nothing)
+    sched.stats = nothing
+    sched.take_pending_failures = lambda self: {}
+
+    def bind(self: Any, meta: Any) -> None:
+        self._step_start, self._meta = time.perf_counter(), meta
+
+    work.bind_connector_metadata = bind
+    work.wait_for_save = nothing
+    work.finish_forward = nothing
+    register = work.register_kv_caches
+
+    def register_idle(self: Any, kv_caches: Any) -> None:
+        register(self, kv_caches)
+        self.written = None  # the write op's wrapper stays, its observer returns at once
+        self.reads_left = 0
+
+    work.register_kv_caches = register_idle
 
 
 def _line_profiler(spec: str) -> Any:
