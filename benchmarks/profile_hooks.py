@@ -98,6 +98,16 @@ def main() -> None:
     def note_step(so: Any, meta: Any) -> None:
         steps_seen.append([_step_kind(so, meta), 0.0, 0.0, {}])
 
+    def charge(name: str, side: int, spent: float, cpu_spent: float) -> None:
+        # One call's time: to the hook's totals and to the step it ran in (side 1: scheduler,
+        # 2: worker).
+        totals.setdefault(name, []).append(spent)
+        cpu[name] = cpu.get(name, 0.0) + cpu_spent
+        if steps_seen:
+            step = steps_seen[-1]
+            step[side] += spent
+            step[3][name] = step[3].get(name, 0.0) + spent
+
     for name in hooks:
         original = getattr(connector.KVGuardConnector, name)
         side = 1 if name in SCHEDULER_SIDE else 2
@@ -111,15 +121,10 @@ def main() -> None:
                 out = _original(self, *args, **kw)
                 return out
             finally:
-                spent = time.perf_counter() - start
-                totals.setdefault(_name, []).append(spent)
-                cpu[_name] = cpu.get(_name, 0.0) + time.thread_time() - cpu_start
+                spent, cpu_spent = time.perf_counter() - start, time.thread_time() - cpu_start
                 if _name == "build_connector_meta" and out is not None:
-                    note_step(args[0], out)
-                if steps_seen:
-                    step = steps_seen[-1]
-                    step[_side] += spent
-                    step[3][_name] = step[3].get(_name, 0.0) + spent
+                    note_step(args[0], out)  # (first: this call counts to the step it plans)
+                charge(_name, _side, spent, cpu_spent)
 
         setattr(connector.KVGuardConnector, name, timed)
     import vllm_kvguard.connector.patches as patches
@@ -132,15 +137,11 @@ def main() -> None:
             try:
                 _observer(*args)
             finally:
-                spent = time.perf_counter() - start
-                totals.setdefault("kv write (in the forward)", []).append(spent)
-                if steps_seen:
-                    step = steps_seen[-1]
-                    step[2] += spent
-                    name = "kv write (in the forward)"
-                    step[3][name] = step[3].get(name, 0.0) + spent
-                cpu["kv write (in the forward)"] = (
-                    cpu.get("kv write (in the forward)", 0.0) + time.thread_time() - cpu_start
+                charge(
+                    "kv write (in the forward)",
+                    2,
+                    time.perf_counter() - start,
+                    time.thread_time() - cpu_start,
                 )
 
         patches._KV_WRITE_OBSERVER = observed
@@ -345,9 +346,9 @@ def _install_floor(kind: str) -> None:
         "update_connector_output",
         "note_request",
         "request_finished",
+        "stats",
     ):
         setattr(sched, name, nothing)
-    sched.stats = nothing
     sched.take_pending_failures = lambda self: {}
 
     def bind(self: Any, meta: Any) -> None:
