@@ -2,6 +2,7 @@
 
     python benchmarks/profile_hooks.py [reuse|sampled|paranoid] [--concurrency 16] [--pyinstrument out.txt]
                                        [--lines module:Class.method,...] [--floor empty|facade]
+                                       [--json out.json]
 
 Runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the
 scheduler and worker halves of the guard can be timed directly, then prints
@@ -27,11 +28,15 @@ engine, and this script timing them); ``--floor facade`` keeps the guard's conne
 error handling and its per-step accounting (the worker's step time, the write op's wrapper) but
 makes the scheduler and worker sides do nothing else. The guard's own quiet step cannot cost less
 than the first; what it does beyond the second is its checking.
+
+With ``--json`` it also writes the run's figures (shares, the hashing floor, each kind of step's
+medians) to a file: ``benchmarks/floors.py`` runs it that way for every mode and floor.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -55,6 +60,7 @@ def main() -> None:
         choices=["empty", "facade"],
         help="measure the floor instead of the guard: empty hooks, or the guard's facade with idle sides",
     )
+    ap.add_argument("--json", type=Path, help="also write the run's figures here (for benchmarks/floors.py)")
     a = ap.parse_args()
     os.environ.update(
         VLLM_KVGUARD="1",
@@ -219,7 +225,25 @@ def main() -> None:
         f" XXH3 over as many {page >> 10} KiB pages, out of memory: {floor * 1e3:.1f} ms"
         f" ({floor / elapsed:.2%} of generate(): the floor under hashing them)"
     )
-    _print_kinds(steps_seen, spent)
+    kinds = _print_kinds(steps_seen, spent)
+    if a.json:
+        a.json.write_text(
+            json.dumps(
+                {
+                    "policy": a.policy,
+                    "concurrency": a.concurrency,
+                    "floor": a.floor,
+                    "generate_s": elapsed,
+                    "guard_s": spent,
+                    "share": share,
+                    "hashing_floor_s": floor,
+                    "hashing_floor_share": floor / elapsed,
+                    "bytes_hashed_per_step": {k: v / steps for k, v in hashed.items()},
+                    "kinds": kinds,
+                },
+                indent=1,
+            )
+        )
     if lines is not None:
         lines.print_stats(output_unit=1e-6, stripzeros=True)
 
@@ -253,10 +277,12 @@ def _step_kind(so: Any, meta: Any) -> str:
     return KINDS[3]
 
 
-def _print_kinds(steps_seen: list[list[Any]], spent: float) -> None:
-    """The guard's time by kind of step (see the module's docstring)."""
+def _print_kinds(steps_seen: list[list[Any]], spent: float) -> dict[str, dict[str, float]]:
+    """The guard's time by kind of step (see the module's docstring); returns what it printed,
+    by kind: steps, share of the guard's time, scheduler and worker µs a step (medians)."""
     import statistics
 
+    out: dict[str, dict[str, float]] = {}
     print("  by kind of step (us a step, medians; each hook counted to the step it followed):")
     for kind in KINDS:
         mine = [s for s in steps_seen if s[0] == kind]
@@ -265,6 +291,7 @@ def _print_kinds(steps_seen: list[list[Any]], spent: float) -> None:
         sched = statistics.median(s[1] for s in mine) * 1e6
         work = statistics.median(s[2] for s in mine) * 1e6
         share = sum(s[1] + s[2] for s in mine) / spent if spent else 0.0
+        out[kind] = {"steps": len(mine), "share": share, "scheduler_us": sched, "worker_us": work}
         print(
             f"    {kind:20s} {len(mine):4d} steps  {share:6.1%} of the guard's time"
             f"  scheduler {sched:7.1f}  worker {work:7.1f}"
@@ -275,6 +302,7 @@ def _print_kinds(steps_seen: list[list[Any]], spent: float) -> None:
         medians = {name: statistics.median(h.get(name, 0.0) for h in quiet) * 1e6 for name in names}
         parts = ", ".join(f"{name} {us:.1f}" for name, us in sorted(medians.items(), key=lambda kv: -kv[1]))
         print(f"    quiet decode, us a step by hook (medians): {parts}")
+    return out
 
 
 def _xxh3_seconds(page: int, total: int) -> float:
