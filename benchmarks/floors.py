@@ -66,12 +66,6 @@ def span(values: list[float], scale: float = 100.0, unit: str = " %", digits: in
     return f"{lo}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
 
 
-def step_us(r: dict[str, Any]) -> float:
-    """A profile_hooks run's mean step: generate()'s µs over its steps."""
-    steps = sum(int(k["steps"]) for k in r["kinds"].values())
-    return float(r["generate_s"]) * 1e6 / max(steps, 1)
-
-
 def verdict(target: float, floors: list[float], steps_us: list[float]) -> str:
     if target < min(floors):
         return "below the floor"
@@ -80,7 +74,7 @@ def verdict(target: float, floors: list[float], steps_us: list[float]) -> str:
     room = [target - f for f in floors]
     us = [r * s for r, s in zip(room, steps_us, strict=True)]
     return (
-        f"above the floor: leaves {span(room, digits=2, unit=' points')}"
+        f"above the floor: leaves {span(room, unit=' points')}"
         f" ({span(us, 1.0, ' µs', 0)} a step) for the guard's own work"
     )
 
@@ -97,7 +91,7 @@ def report(concurrency: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str,
         guard = [r["share"] for r in mine]
         floor = [e["share"] + r["hashing_floor_share"] for e, r in zip(empty, mine, strict=True)]
         with_facade = [f["share"] + r["hashing_floor_share"] for f, r in zip(facade, mine, strict=True)]
-        steps_us = [step_us(r) for r in mine]
+        steps_us = [r["generate_s"] * 1e6 / r["steps"] for r in mine]  # a mean step
         print(
             f"  {mode:9s} {span(guard):>13s} {span(floor):>15s} {span(with_facade):>15s}"
             f" {target * 100:6.1f} %  {verdict(target, floor, steps_us)}"

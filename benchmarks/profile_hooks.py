@@ -234,6 +234,7 @@ def main() -> None:
                     "concurrency": a.concurrency,
                     "floor": a.floor,
                     "generate_s": elapsed,
+                    "steps": steps,
                     "guard_s": spent,
                     "share": share,
                     "hashing_floor_s": floor,
