@@ -76,6 +76,24 @@ def test_drill_detects_every_fault_kind_that_is_read(tiny_model: str, tmp_path: 
     assert any(
         line["event"] == "kvguard_fault_injection_armed" and line["level"] == "warning" for line in log
     )
+    # `kvguard report` reads the same findings out of vLLM's own console log (the engine's
+    # output, guard lines rendered as `event key=value`) as out of the guard's JSON lines, and
+    # says the log is a drill's rather than diagnosing the machine.
+    summaries = []
+    for name in ("kvguard.jsonl", "guarded.log"):
+        done = _run(["report", "--json", str(tmp_path / name)])
+        assert done.returncode == 0, done.stderr
+        summaries.append(json.loads(done.stdout))
+    from_json, from_console = summaries
+    assert from_console["guard_lines"] > 0 and from_console["bad_pages"] == from_json["bad_pages"] > 0
+    assert from_json["bad_pages"] == report["corrupted_blocks"] + report["nonfinite_blocks"]
+    for key in ("kind", "shape", "action", "rank", "device", "layer"):
+        assert from_console["by"][key] == from_json["by"][key], key
+    assert from_console["requests"] == from_json["requests"]
+    assert from_console["diagnosis"]["verdict"] == "fire drill (faults injected)"
+    # The plain run's log has no guard line: said so, exit 1, never "none affected".
+    plain = _run(["report", str(tmp_path / "reference.log")])
+    assert plain.returncode == 1 and "holds no vllm-kvguard line" in plain.stderr
 
 
 def test_drill_covers_unfilled_pages_lost_writes_and_page_identity(tiny_model: str, tmp_path: Path) -> None:

@@ -76,8 +76,10 @@ def parser() -> argparse.ArgumentParser:
     report = sub.add_parser(
         "report",
         help="summarise a guard log: corruptions by shape, rank, device, layer, hour, and a diagnosis",
-        description="Reads a JSON-lines guard log (VLLM_KVGUARD_LOG_FILE, or a vLLM log with JSON guard "
-        "lines) and says what the corruptions point at: failing memory or software, and the runbook section.",
+        description="Reads the guard's lines from a log (VLLM_KVGUARD_LOG_FILE's JSON lines, or vLLM's own "
+        "log, console or JSON) and says what the corruptions point at: failing memory, software, or a fire "
+        "drill's injected faults, and the runbook section. Exits 1 if the file holds no guard line, or a "
+        "guard line it cannot read.",
     )
     report.add_argument("logfile", type=Path, help="the log file")
     report.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -176,8 +178,19 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        summary = reporting.summarize(reporting.read_events(args.logfile))
+        found = reporting.read_lines(args.logfile)
+        if not found.events:
+            print(reporting.no_guard_lines(args.logfile, found), file=sys.stderr)
+            return 1
+        summary = reporting.summarize(found.events)
         print(json.dumps(summary, indent=2) if args.json else reporting.render(summary))
+        if found.unreadable:
+            print(
+                f"kvguard report: {found.unreadable} line(s) of {args.logfile} named a guard event but could "
+                "not be read: the counts above leave them out",
+                file=sys.stderr,
+            )
+            return 1
         return 0
     if args.command == "doctor":
         from vllm_kvguard.tools import doctor

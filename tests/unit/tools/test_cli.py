@@ -126,6 +126,16 @@ def test_doctor_probe_rows_block_on_what_stops_vllm() -> None:
     assert rows["row digests (host)"].status == doctor.WARN
     assert "No module named 'numba'" in rows["row digests (host)"].detail
     assert "seals nothing until it holds 128 tokens" in rows["block size"].detail
+    # Row digests are on by default: the unfilled page is checked by them, not only audited.
+    assert "checked by row digests" in rows["block size"].detail
+    assert (
+        "only the lifecycle audit" not in rows["block size"].detail
+        and "auto" not in rows["block size"].detail
+    )
+    assert rows["KV cache dtype"].detail.startswith("auto (the model's dtype)")
+    rows_off = doctor.config_rows({"VLLM_KVGUARD": "1", "VLLM_KVGUARD_ROWS": "0"})[1]
+    detail = {r.check: r for r in doctor.probe_rows(probe, {}, rows_off)}["block size"].detail
+    assert "VLLM_KVGUARD_ROWS=0: on the last, unfilled page only the lifecycle audit applies" in detail
     text = doctor.render(list(rows.values()))
     assert text.endswith("3 blocker(s): fix them before enabling the guard")
 
@@ -152,7 +162,7 @@ def test_report_summarises_a_log_and_diagnoses_it(tmp_path: Path, capsys: pytest
     log.write_text("\n".join(lines) + "\n")
     assert main(["report", str(log)]) == 0
     out = capsys.readouterr().out
-    assert "corrupted pages 3" in out and "by shape   single_bit: 3" in out
+    assert "bad pages 3: corrupted after its seal 3" in out and "by shape   single_bit: 3" in out
     assert "diagnosis: memory hardware" in out and "nvidia-smi -q -d ECC" in out
     assert "runbook: docs/runbook.md#single-bit-and-single-word" in out
     log.write_text("\n".join([corrupted(1, "copy_of_block", 0, "cuda:0"), corrupted(2, "stale", 1)]) + "\n")
@@ -192,3 +202,130 @@ def test_engine_children_run_in_the_work_folder_with_absolute_paths(
         "other": "model",
         "job": "bench",
     }
+
+
+# vLLM's console log as the guard writes into it (logs.py's console renderer after vLLM's prefix),
+# lines taken from a drill's engine log, with vLLM's own lines around them.
+CONSOLE_LOG = (Path(__file__).parent / "data" / "vllm-console.log").read_text()
+
+
+def test_report_reads_the_guards_console_lines_in_vllms_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's normal console log once came out as "corrupted pages 0 ... none affected", exit 0."""
+    from vllm_kvguard.tools import report
+
+    log = tmp_path / "vllm-server.log"
+    log.write_text(CONSOLE_LOG)
+    found = report.read_lines(log)
+    assert (found.console_lines, found.json_lines, found.unreadable) == (5, 0, 0)
+    first = next(e for e in found.events if e["event"] == "kv_block_corrupted")
+    assert first["request_ids"] == ["1-bb32dacc", "2-aa"] and first["block_id"] == 5 and first["device"] == ""
+    assert main(["report", "--json", str(log)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["bad_pages"] == 3 and summary["corrupted_pages"] == 2 and summary["nonfinite_pages"] == 1
+    assert summary["requests"] == {"failed": 1}
+    # Every table adds up to the bad pages; a line without a device gets its rank's.
+    for key, counts in summary["by"].items():
+        assert sum(counts.values()) == 3, key
+    assert summary["by"]["device"] == {"cpu": 3}
+    assert summary["by"]["hour"] == {"12-06 21": 1, "12-06 20": 2}
+    assert summary["by"]["action"] == {"quarantined_and_recomputed": 1, "repaired": 1, "recomputed": 1}
+
+
+def test_report_on_a_log_without_guard_lines_says_so_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "vllm-server.log"
+    log.write_text(CONSOLE_LOG.splitlines()[0] + "\n" + CONSOLE_LOG.splitlines()[-1] + "\n")
+    assert main(["report", str(log)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "holds no vllm-kvguard line (2 lines read)" in captured.err
+    assert "neither found nor ruled out" in captured.err and "VLLM_KVGUARD_LOG_FILE" in captured.err
+
+
+def test_report_exits_1_on_a_guard_line_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "vllm-server.log"
+    broken = "ERROR 12-06 20:25:04 [logs.py:137] kv_block_corrupted block_id=5 layers=['a' role=scheduler"
+    log.write_text(CONSOLE_LOG + broken + "\n")
+    assert main(["report", str(log)]) == 1
+    captured = capsys.readouterr()
+    assert "bad pages 3" in captured.out
+    assert "1 line(s) of" in captured.err and "could not be read" in captured.err
+
+
+def test_report_recognises_a_fire_drill_and_does_not_diagnose_hardware(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Three injected bit flips on one device read as "memory hardware" with nvidia-smi advice
+    for device cpu; a drill's log is now said to be a drill."""
+    lines = [
+        {"event": "kvguard_fault_injection_armed", "role": "worker", "rank": 0},
+        *(
+            {
+                "event": "kv_fault_injected",
+                "role": "scheduler",
+                "kind": "bitflip",
+                "fault_id": i,
+                "block_id": i,
+            }
+            for i in range(3)
+        ),
+        *(
+            {
+                "event": "kv_block_corrupted",
+                "role": "scheduler",
+                "shape": "single_bit",
+                "rank": 0,
+                "device": "cpu",
+                "action": "repaired",
+                "block_id": i,
+            }
+            for i in range(3)
+        ),
+    ]
+    log = tmp_path / "drill.jsonl"
+    log.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert main(["report", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "diagnosis: fire drill (faults injected)" in out and "3 fault(s) were injected (bitflip 3)" in out
+    assert "memory hardware" not in out and "nvidia-smi" not in out
+
+
+def test_report_advises_memory_checks_for_the_kind_of_device(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def flips(device: str) -> str:
+        return "\n".join(
+            json.dumps(
+                {
+                    "event": "kv_block_corrupted",
+                    "role": "scheduler",
+                    "shape": "single_bit",
+                    "rank": 0,
+                    "device": device,
+                    "action": "repaired",
+                }
+            )
+            for _ in range(3)
+        )
+
+    log = tmp_path / "guard.jsonl"
+    log.write_text(flips("cpu"))
+    assert main(["report", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "diagnosis: memory hardware" in out and "host memory" in out and "nvidia-smi" not in out
+    log.write_text(flips("cuda:3"))
+    assert main(["report", str(log)]) == 0
+    assert "device cuda:3's ECC counters (nvidia-smi -q -d ECC)" in capsys.readouterr().out
+
+
+def test_a_vllm_line_that_starts_with_a_kv_word_is_not_a_guard_line() -> None:
+    from vllm_kvguard.tools.report import parse_console_line
+
+    assert parse_console_line("INFO 12-06 20:25:04 [x.py:1] kv_connector loaded name=Example") is None
+    assert parse_console_line("INFO kv_cache_dtype=auto block_size=16") is None
+    assert parse_console_line("INFO 12-06 20:25:04 kv_transfer done a=1 b=2") is None  # no role: not ours
