@@ -38,13 +38,17 @@ class KVCacheCorruptionError(RuntimeError):
 
     @classmethod
     def describe(cls, block_id: int, layer: str, outcome: str = "failed", unverified_steps: int = 0) -> str:
-        """The message a failed (or, ``outcome="suspect"``, flagged) request carries."""
+        """The message a failed (or, ``outcome="suspect"``, flagged) request carries.
+        ``unverified_steps``: how many steps *this* request read the page unverified (0: its
+        read was verified first, so it emitted nothing computed from the page)."""
         head = f"{cls.PREFIX}: block {block_id} (layer {layer}) failed its checksum"
         if unverified_steps:
             head += (
                 f" after this request had read it unverified for {unverified_steps} step(s) and emitted "
                 "tokens computed from it"
             )
+        else:
+            head += " when it was verified, before this request read it"
         return head + cls._ending(outcome, "a corrupted page")
 
     @classmethod

@@ -156,12 +156,17 @@ def test_raise_mode_fails_only_the_readers(tiny_model: str, tmp_path: Path) -> N
                 continue
             assert out.outputs[0].finish_reason == "error"
             assert out.outputs[0].stop_reason.startswith("KV-cache corruption: block ")
+            # Its hit was verified before the forward: the message says so, never that it
+            # emitted tokens computed from the page (true of this request, not the block).
+            assert "before this request read it" in out.outputs[0].stop_reason
+            assert "unverified" not in out.outputs[0].stop_reason
             with pytest.raises(KVCacheCorruptionError) as info:
                 raise_for_corruption(out)
             assert info.value.block_id == bad.block_id and info.value.layer == bad.layers[0]
         assert bystander.outputs[0].finish_reason == "length"
         raise_for_corruption(bystander)
         assert line["action"] == "requests_failed" and line["block_id"] == bad.block_id
+        assert line["trigger"] == "reuse"
         assert {a["outcome"] for a in events(log, "kv_request_affected")} == {"failed"}
         # The engine keeps serving, and the prefix recomputes cleanly.
         after = llm.generate(prompts_b(), greedy(16), use_tqdm=False)

@@ -757,7 +757,9 @@ class KVGuardScheduler:
             )
             if outcome == policy.HEALED and not repaired:
                 self.counters.add("tokens_recomputed", self._tokens_to_recompute(req_id, block))
-            message = KVCacheCorruptionError.describe(block, first.layer, outcome, unverified_steps)
+            # The request's own reads, not the page's history: a hitter verified first read nothing bad.
+            own_steps = unverified_steps if read_unverified else 0
+            message = KVCacheCorruptionError.describe(block, first.layer, outcome, own_steps)
             self._affect(req_id, block, outcome, message, end=self.config.mode != Mode.RAISE)
             if outcome == policy.FAILED:
                 failed.add(req_id)
