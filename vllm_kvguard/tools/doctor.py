@@ -180,9 +180,18 @@ def probe_rows(probe: dict[str, Any], environ: dict[str, str], config: KVGuardCo
             Row(
                 "block size",
                 OK,
-                f"{size} tokens per page ({engine['kv_cache_dtype']}): a page is sealed when it fills, so a "
-                f"request seals nothing until it holds {size} tokens and prefixes are shared in whole pages "
-                f"of {size}; on the last, unfilled page only the lifecycle audit applies",
+                f"{size} tokens per page: a page is sealed when it fills, so a request seals nothing until "
+                f"it holds {size} tokens and prefixes are shared in whole pages of {size}; "
+                + _unfilled_page_checks(config),
+            )
+        )
+        dtype = engine["kv_cache_dtype"]
+        rows.append(
+            Row(
+                "KV cache dtype",
+                OK,
+                f"{dtype}" + (" (the model's dtype)" if dtype == "auto" else "") + ": pages are hashed as "
+                "stored, whatever the dtype",
             )
         )
         forced = environ.get("VLLM_KV_CACHE_LAYOUT")
@@ -204,6 +213,17 @@ def probe_rows(probe: dict[str, Any], environ: dict[str, str], config: KVGuardCo
             status = OK if engine["guard_in_connector"] else BLOCKER
             rows.append(Row("engine has the guard", status, f"kv_connector={engine['connector']}"))
     return rows
+
+
+def _unfilled_page_checks(config: KVGuardConfig | None) -> str:
+    """What guards the last, unfilled page of a request: row digests (on by default) or, with
+    ``VLLM_KVGUARD_ROWS=0``, the lifecycle audit alone."""
+    if config is None or config.rows:
+        return (
+            "the last, unfilled page is checked by row digests (each written slot hashed after its "
+            "forward; VLLM_KVGUARD_ROWS) and the lifecycle audit"
+        )
+    return "VLLM_KVGUARD_ROWS=0: on the last, unfilled page only the lifecycle audit applies"
 
 
 def diagnose(
