@@ -66,6 +66,9 @@ class DrillReport:
     by_kind: dict[str, KindRow] = field(default_factory=dict)
     quarantined: int = 0
     repaired: int = 0
+    # What was done with each corrupted block (kv_block_corrupted's ``action``): the buckets that
+    # add up to ``corrupted_blocks``.
+    actions: dict[str, int] = field(default_factory=dict)
     shapes: dict[str, int] = field(default_factory=dict)
     # Per fault: id, kind, block, outcome, and the shape diagnosed (None: not diagnosed).
     faults: list[dict[str, Any]] = field(default_factory=list)
@@ -102,6 +105,20 @@ class DrillReport:
         out["detection_ms_median"] = statistics.median(self.detection_ms) if self.detection_ms else None
         out["detection_ms_max"] = max(self.detection_ms) if self.detection_ms else None
         return out
+
+
+def spec_summary(spec: str) -> str:
+    """A fault spec in a few words for the progress line (the whole spec is in the report's
+    JSON and the guard's log): ``bitflip x3, zero, partial at a rate`` ..."""
+    parts = []
+    for fault in parse_fault_spec(spec):
+        name = row_key(str(fault.kind), str(fault.at))
+        if fault.rate is not None:
+            parts.append(f"{name} at rate {fault.rate:g}")
+        else:
+            count = fault.count or 1
+            parts.append(name if count == 1 else f"{name} x{count}")
+    return ", ".join(parts)
 
 
 def row_key(kind: str, at: str) -> str:
@@ -146,7 +163,9 @@ def summarize(
             if shape != "undiagnosed":  # the device path's shape comes in kv_block_diagnosed
                 report.shapes[shape] = report.shapes.get(shape, 0) + 1
                 shapes_of.setdefault(line.get("block_id", -1), []).append((_ts(line), shape))
-            if line.get("action") == "repaired":
+            action = str(line.get("action", "not recorded"))
+            report.actions[action] = report.actions.get(action, 0) + 1
+            if action == "repaired":
                 report.repaired += 1
         elif event == "kv_block_diagnosed":
             shape = line.get("shape", "undiagnosed")
@@ -227,12 +246,16 @@ def render(report: DrillReport) -> str:
     lines += [
         "",
         f"mode                          {report.mode}",
-        f"corrupted blocks detected     {report.corrupted_blocks}",
+        f"corrupted blocks detected     {report.corrupted_blocks}"
+        + (
+            ": " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(report.actions.items()))
+            if report.actions
+            else ""
+        ),
         f"non-finite pages at write     {report.nonfinite_blocks}",
         f"identity mismatches           {report.identity_mismatches}",
         f"writes lost                   {report.writes_lost}",
-        f"blocks quarantined            {report.quarantined}",
-        f"blocks repaired in place      {report.repaired}",
+        f"blocks held in quarantine     {report.quarantined}",
         "shapes diagnosed              "
         + (", ".join(f"{k} {v}" for k, v in sorted(report.shapes.items())) or "-"),
         f"healed / failed / suspect     "
@@ -307,7 +330,7 @@ def _drill(
         }
     )
     outputs = show.run(
-        f"[3/3] guarded run with faults ({spec})",
+        f"[3/3] guarded run with faults injected ({spec_summary(spec)})",
         lambda: run_child("drill", {**base, "out": str(work / "guarded.json")}, env, work / "guarded.log"),
     )
     lines = [json.loads(line) for line in guard_log.read_text().splitlines() if line.strip()]

@@ -99,6 +99,20 @@ def build_tiny_model(
         with torch.no_grad():
             embeddings: Any = model.get_input_embeddings()
             embeddings.weight[vocab[f"w{nan_word}"]] = float("nan")
-    model.save_pretrained(out)
+    _save_quietly(model, out)
     marker.write_text(json.dumps(spec))
     return out
+
+
+def _save_quietly(model: Any, out: Path) -> None:
+    """``save_pretrained`` without transformers' "Writing model shards" progress bar (the
+    drill's and the demo's terminal shows only their own progress); the setting is restored."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out)
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()

@@ -107,4 +107,30 @@ def test_diagnosed_counts_faults_whose_shape_matches_the_injected_kind() -> None
     assert report.by_kind["bitflip"].diagnosed == 1 and report.by_kind["overwrite"].diagnosed == 0
     assert report.repaired == 1 and report.shapes == {"single_bit": 1, "multi_word": 1}
     text = render(report)
-    assert "blocks repaired in place      1" in text and "multi_word 1, single_bit 1" in text
+    assert "multi_word 1, single_bit 1" in text
+    # Every corrupted block is in a named bucket, and the buckets add up to the total.
+    assert "corrupted blocks detected     2: quarantined and recomputed 1, repaired 1" in text
+    assert sum(report.actions.values()) == report.corrupted_blocks
+
+
+def test_a_block_recomputed_without_quarantine_has_its_own_bucket() -> None:
+    """The drill once said "detected 7" beside "quarantined 2" and "repaired 4": the page found
+    bad while still being written (recomputed, not quarantined) was in no bucket."""
+    lines = [
+        _line("kv_block_corrupted", 1.0, block_id=1, shape="single_bit", action="repaired"),
+        _line("kv_block_corrupted", 1.1, block_id=2, shape="zeroed", action="quarantined_and_recomputed"),
+        _line("kv_block_quarantined", 1.1, block_id=2, pinned=True),
+        _line("kv_block_corrupted", 1.2, block_id=3, shape="unfilled_rows", action="recomputed"),
+    ]
+    text = render(summarize(lines, [("a", False)], ["a"], mode="quarantine", spec="zero"))
+    assert "corrupted blocks detected     3: quarantined and recomputed 1, recomputed 1, repaired 1" in text
+    assert "blocks held in quarantine     1" in text
+
+
+def test_progress_line_names_the_faults_in_a_few_words_not_the_whole_spec() -> None:
+    from vllm_kvguard.tools.drill import DEFAULT_SPEC, spec_summary
+
+    short = spec_summary(DEFAULT_SPEC)
+    assert short == "bitflip x3, overwrite, zero, nan, nan@write, partial x2, lost_write, identity"
+    assert "seed" not in short and len(short) < len(DEFAULT_SPEC) / 2
+    assert spec_summary("zero:rate=0.05,after=10") == "zero at rate 0.05"
