@@ -66,6 +66,8 @@ def test_raise_mode_clients_get_503_naming_the_block_and_request(raise_server: d
     with pytest.raises(openai.APIStatusError) as info:
         client.completions.create(model="tiny", prompt=ONE_PAGE[0] + " w3 w4", max_tokens=4, temperature=0)
     error = info.value
+    # What the README tells Python users to catch: the openai client's class for a 5xx.
+    assert isinstance(error, openai.InternalServerError)
     assert error.status_code == 503
     body = error.body if isinstance(error.body, dict) else {}
     assert body.get("type") == "ServiceUnavailableError", error.body
