@@ -132,6 +132,16 @@ SERIES = (
         SHAPES,
     ),
     Series(
+        "pages_loaded",
+        "vllm:kvguard_pages_loaded",
+        "counter",
+        "KV pages another KV connector (LMCache, NIXL, offloading, ...) loaded into this engine, "
+        "by whether they were verified against a digest sealed here (verified=no: sealed as "
+        "loaded, after the step that loaded them, and guarded like any page from then on).",
+        "verified",
+        ("no",),
+    ),
+    Series(
         "repaired",
         "vllm:kvguard_blocks_repaired",
         "counter",

@@ -53,6 +53,10 @@ class _Side(Protocol):
     def internal_error(self, where: str, exc: Exception) -> None: ...
 
 
+def _no_external_match(_connector: Any) -> tuple[int | None, bool]:
+    return 0, False
+
+
 def fail_open(
     default: Callable[[Any], T], hook_name: str | None = None
 ) -> Callable[[Callable[..., T]], Callable[..., T]]:
@@ -259,9 +263,16 @@ class KVGuardConnector(KVConnectorBase_V1):
 
     # --------------------------------------------------------------- scheduler
 
+    @fail_open(_no_external_match)
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        """The guard loads nothing. vLLM asks every connector of a MultiConnector with the
+        request's local prefix-cache hits (``num_computed_tokens``), the guard last: what the
+        request is later scheduled with beyond them, another connector loaded (the guard is
+        told ``num_external_tokens=0`` when it did)."""
+        if self.scheduler is not None and self.active:
+            self.scheduler.note_local_hits(request.request_id, num_computed_tokens)
         return 0, False
 
     @fail_open(lambda self: None)

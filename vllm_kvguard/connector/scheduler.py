@@ -91,52 +91,81 @@ def _first_group(manager: Any, req_id: str) -> list[int]:
     return manager.get_block_ids(req_id)[0]
 
 
-def _new_view(new: Any, ntok: dict[str, int], spec: dict[str, Any], bs: int) -> ScheduledRequest:
+def _new_view(
+    new: Any, ntok: dict[str, int], spec: dict[str, Any], bs: int, local: dict[str, int] | None = None
+) -> ScheduledRequest:
     table = new.block_ids[0]
+    num_new = ntok[new.req_id] - len(spec.get(new.req_id, ()))
+    nc, loaded = _loaded(new.req_id, new.num_computed_tokens, local)
     return ScheduledRequest(
-        new.req_id,
-        new.num_computed_tokens,
-        ntok[new.req_id] - len(spec.get(new.req_id, ())),
-        True,
-        table[new.num_computed_tokens // bs :],
-        functools.partial(_same, table),
+        new.req_id, nc, num_new + loaded, True, table[nc // bs :], functools.partial(_same, table), loaded
     )
 
 
+def _loaded(req_id: str, nc: int, local: dict[str, int] | None) -> tuple[int, int]:
+    """A fresh request's computed tokens as the ledger sees them, and the tokens another KV
+    connector loaded: of ``nc`` computed tokens only the local prefix-cache hits (``local``,
+    noted when vLLM asked the connectors for matches) are pages this request reads from the
+    cache; the rest were loaded into blocks it was just given, and are sealed, fingerprinted
+    and row-hashed after this step like the forward's own writes."""
+    if not local:
+        return nc, 0
+    hits = local.pop(req_id, None)
+    if hits is None or hits >= nc:
+        return nc, 0
+    return hits, nc - hits
+
+
 def _cached_view(
-    cached: Any, i: int, resumed_ids: Any, ntok: dict[str, int], spec: dict[str, Any], bs: int, manager: Any
+    cached: Any,
+    i: int,
+    resumed_ids: Any,
+    ntok: dict[str, int],
+    spec: dict[str, Any],
+    bs: int,
+    manager: Any,
+    local: dict[str, int] | None = None,
 ) -> ScheduledRequest:
     req_id = cached.req_ids[i]
     new_ids = cached.new_block_ids[i]
     added = new_ids[0] if new_ids else []
     nc = cached.num_computed_tokens[i]
+    num_new = ntok[req_id] - len(spec.get(req_id, ()))
     # vLLM 0.34 sends resumed requests in full with the new ones (no resumed_req_ids).
     resumed = req_id in resumed_ids
+    loaded = 0
+    if resumed:
+        nc, loaded = _loaded(req_id, nc, local)
     return ScheduledRequest(
         req_id,
         nc,
-        ntok[req_id] - len(spec.get(req_id, ())),
+        num_new + loaded,
         resumed,
         added[nc // bs :] if resumed else added,
         functools.partial(_first_group, manager, req_id),
+        loaded,
     )
 
 
-def scheduled_requests(so: SchedulerOutput, block_size: int, manager: Any) -> list[ScheduledRequest]:
-    """vLLM's scheduler output as the ledger's per-request views (across vLLM versions)."""
+def scheduled_requests(
+    so: SchedulerOutput, block_size: int, manager: Any, local: dict[str, int] | None = None
+) -> list[ScheduledRequest]:
+    """vLLM's scheduler output as the ledger's per-request views (across vLLM versions).
+    ``local``: fresh requests' local prefix-cache hits where another connector may have loaded
+    more (taken out as their views are made)."""
     spec = so.scheduled_spec_decode_tokens
     ntok = so.num_scheduled_tokens
     cached = so.scheduled_cached_reqs
     resumed_ids = getattr(cached, "resumed_req_ids", None) or ()
-    views = [_new_view(new, ntok, spec, block_size) for new in so.scheduled_new_reqs]
+    views = [_new_view(new, ntok, spec, block_size, local) for new in so.scheduled_new_reqs]
     return views + [
-        _cached_view(cached, i, resumed_ids, ntok, spec, block_size, manager)
+        _cached_view(cached, i, resumed_ids, ntok, spec, block_size, manager, local)
         for i in range(len(cached.req_ids))
     ]
 
 
 def step_views(
-    so: SchedulerOutput, block_size: int, manager: Any
+    so: SchedulerOutput, block_size: int, manager: Any, local: dict[str, int] | None = None
 ) -> tuple[list[ScheduledRequest], Decodes | None]:
     """vLLM's scheduler output as the ledger sees it: a view per request that changed (new,
     resumed, given several blocks, more than one token) and, as arrays, the running requests
@@ -149,7 +178,7 @@ def step_views(
     cached = so.scheduled_cached_reqs
     ids = cached.req_ids
     n = len(ids)
-    views = [_new_view(new, ntok, spec, block_size) for new in so.scheduled_new_reqs]
+    views = [_new_view(new, ntok, spec, block_size, local) for new in so.scheduled_new_reqs]
     if not n:
         return views, None
     resumed_ids = getattr(cached, "resumed_req_ids", None) or ()
@@ -181,7 +210,9 @@ def step_views(
     nc = np.fromiter(cached.num_computed_tokens, dtype=np.int64, count=n)
     at = None
     if changed:
-        views += [_cached_view(cached, i, resumed_ids, ntok, spec, block_size, manager) for i in changed]
+        views += [
+            _cached_view(cached, i, resumed_ids, ntok, spec, block_size, manager, local) for i in changed
+        ]
         keep = np.ones(n, dtype=bool)
         keep[changed] = False
         at = np.flatnonzero(keep)
@@ -301,6 +332,10 @@ class KVGuardScheduler:
         # that step's or the next step's output, can name its readers and count their tokens;
         # nothing is derived from them per step.
         self._recent: dict[int, RecentStep] = {}
+        # Waiting requests' local prefix-cache hits, noted when vLLM asks the KV connectors for
+        # external matches (facade.get_num_new_matched_tokens); taken when the request is
+        # scheduled: what it is scheduled with beyond them, another connector loaded.
+        self._local_hits: dict[str, int] = {}
         self.exporter = (
             StandaloneExporter(config.metrics_port, model_name, engine=log.engine)
             if config.metrics_port
@@ -336,8 +371,18 @@ class KVGuardScheduler:
     def empty_metadata(self) -> KVGuardMetadata:
         return KVGuardMetadata(StepPlan(self.ledger.step))
 
+    def note_local_hits(self, req_id: str, num_computed_tokens: int) -> None:
+        """A waiting request's local prefix-cache hits, as vLLM asks the KV connectors for more
+        (asked again at each try to schedule it: the last one counts)."""
+        self._local_hits[req_id] = num_computed_tokens
+
     def build_connector_meta(self, so: SchedulerOutput) -> KVGuardMetadata:
-        requests, decodes = step_views(so, self.block_size, self.kv_cache_manager)
+        requests, decodes = step_views(so, self.block_size, self.kv_cache_manager, self._local_hits)
+        if requests:
+            loaded = sum(-(-r.loaded // self.block_size) for r in requests if r.loaded)
+            if loaded:
+                # Sealed as loaded, after this step: not checked against an earlier seal.
+                self.counters.add("pages_loaded", loaded, label="no")
         now = time.monotonic()
         plan = self.ledger.plan(requests, self.read_budget, now, so.preempted_req_ids or (), decodes)
         meta = KVGuardMetadata(plan, read_trigger=str(self.config.verify) if plan.read_verify else "")
@@ -941,6 +986,7 @@ class KVGuardScheduler:
     # --------------------------------------------------------------- request lifecycle
 
     def request_finished(self, req_id: str) -> None:
+        self._local_hits.pop(req_id, None)
         self.ledger.release_request(req_id)
         self.identity.drop(req_id)
         self._nonfinite_recomputes.pop(req_id, None)

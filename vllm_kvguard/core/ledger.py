@@ -46,8 +46,11 @@ class ScheduledRequest(NamedTuple):
     step (draft tokens excluded: they may be rejected and rewritten).
     ``new_block_ids`` are the blocks allocated to it this step (for a fresh
     request: all its blocks past the hits). ``block_ids`` returns the request's
-    whole block table; it is only called when needed. (A NamedTuple: one is built
-    per scheduled request per step, and a frozen dataclass costs several times more.)
+    whole block table; it is only called when needed. ``loaded``: of the ``num_new``
+    tokens, how many another KV connector loaded (the first ones) rather than the forward
+    computing them: the ledger treats them alike (pages given, rows written, sealed when
+    full). (A NamedTuple: one is built per scheduled request per step, and a frozen
+    dataclass costs several times more.)
     """
 
     req_id: str
@@ -56,6 +59,7 @@ class ScheduledRequest(NamedTuple):
     fresh: bool
     new_block_ids: Sequence[int]
     block_ids: Callable[[], Sequence[int]]
+    loaded: int = 0
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from vllm_kvguard.connector.scheduler import scheduled_requests
 BS = 4
 
 
-def _view(cached: Any, new: list[Any]) -> list[Any]:
+def _view(cached: Any, new: list[Any], local: dict[str, int] | None = None) -> list[Any]:
     tables = {"run": [1, 2, 3], "back": [7, 8, 9]}
     manager = SimpleNamespace(get_block_ids=lambda req_id: (tables[req_id],))
     so = SimpleNamespace(
@@ -26,7 +26,7 @@ def _view(cached: Any, new: list[Any]) -> list[Any]:
         scheduled_new_reqs=new,
         scheduled_cached_reqs=cached,
     )
-    return scheduled_requests(so, BS, manager)  # type: ignore[arg-type]
+    return scheduled_requests(so, BS, manager, local)  # type: ignore[arg-type]
 
 
 def _row(r: Any) -> tuple[Any, ...]:
@@ -53,6 +53,42 @@ def test_resumed_request_sent_in_full_vllm_0_34() -> None:
     back = SimpleNamespace(req_id="back", block_ids=([7, 8, 9],), num_computed_tokens=4)
     rows = [_row(r) for r in _view(cached, [back])]
     assert rows == [("back", 4, 3, True, [8, 9], [7, 8, 9]), ("run", 9, 1, False, [], [1, 2, 3])]
+
+
+def test_tokens_another_connector_loaded_are_written_this_step_not_prefix_cache_hits() -> None:
+    """vLLM schedules a request with its local hits plus what another KV connector loaded;
+    only the local hits (noted when vLLM asked the connectors) are pages read from the cache."""
+    fresh = SimpleNamespace(req_id="fresh", block_ids=([4, 5, 6, 7],), num_computed_tokens=12)
+    cached = SimpleNamespace(
+        req_ids=["run", "back"],
+        new_block_ids=[([3],), ([7, 8, 9],)],
+        num_computed_tokens=[8, 8],
+        resumed_req_ids={"back"},
+    )
+    local = {"fresh": 4, "back": 0, "waiting": 0}
+    views = _view(cached, [fresh], local)
+    rows = [(*_row(r), r.loaded) for r in views]
+    assert rows == [
+        # 1 page hit locally; 8 tokens loaded into blocks 5 and 6, written with the 6 computed.
+        ("fresh", 4, 14, True, [5, 6, 7], [4, 5, 6, 7], 8),
+        ("run", 8, 1, False, [3], [1, 2, 3], 0),
+        # Resumed after preemption: every computed token loaded (no local hit).
+        ("back", 0, 11, True, [7, 8, 9], [7, 8, 9], 8),
+    ]
+    # Taken when used; a request still waiting keeps its note.
+    assert local == {"waiting": 0}
+    # Without a note (no other connector, or the guard alone) computed tokens are hits.
+    again = SimpleNamespace(req_id="fresh", block_ids=([4, 5, 6, 7],), num_computed_tokens=12)
+    first = _view(cached, [again], {})[0]
+    assert (*_row(first), first.loaded) == (
+        "fresh",
+        12,
+        6,
+        True,
+        [7],
+        [4, 5, 6, 7],
+        0,
+    )
 
 
 def test_the_guard_reads_every_input_a_page_is_keyed_by_from_the_request() -> None:
