@@ -290,6 +290,7 @@ class KVGuardScheduler:
         # reuse and paranoid have no budget to batch.
         read_every = config.verify_every if config.verify == VerifyPolicy.SAMPLED else 1
         self.ledger = BlockLedger(num_blocks, block_size, read_every)
+        self.ledger.still_held = self._still_held
         # Each live request's page fingerprints (what its pages hold), checked on every hit,
         # and the blocks that failed the check by step (drill accounting; dropped as settled).
         self.identity = PageIdentity(block_size)
@@ -924,6 +925,18 @@ class KVGuardScheduler:
             elif req_id not in failed:
                 keep.update(holder.table)
         self._zero_next.extend(sorted(zero - keep))
+
+    def _still_held(self, req_id: str, block: int) -> bool:
+        """Whether ``req_id``'s block table in vLLM still has ``block`` (the ledger asks before
+        it reports a lifecycle violation). vLLM frees the pages behind a sliding window while
+        the request runs, putting its null block in their place; the null block is no page."""
+        if self.kv_cache_manager is None:
+            return True
+        null = getattr(getattr(self.block_pool, "null_block", None), "block_id", None)
+        if block == null:
+            return False
+        table = self._block_table(req_id)
+        return table is not None and block in table
 
     def _block_table(self, req_id: str) -> list[int] | None:
         if self.kv_cache_manager is None:

@@ -354,6 +354,11 @@ class BlockLedger:
         # Per block, kept with the two keys: both known and different (:meth:`lost_write_rows`,
         # one gather a step instead of comparing the keys every step).
         self.lost_evidence = np.zeros(num_blocks, dtype=bool)
+        # Whether a request's block table in vLLM still has a block (set by the connector). vLLM
+        # frees pages behind a sliding window while their request runs and tells no connector:
+        # before the audit reports a block taken from (or read by) a holder, it asks; a holder
+        # that no longer has it released it. None: every holder the ledger knows still does.
+        self.still_held: Callable[[str, int], bool] | None = None
         compiled()  # built (or loaded) now, not in the first decode step
 
     @property
@@ -884,17 +889,38 @@ class BlockLedger:
             me = self._numbers.get(req_id, -2)
             stolen = (holders >= 0) & (holders != me)
             for block, holder in zip(filling[stolen].tolist(), holders[stolen].tolist(), strict=True):
-                self.violations.append(
-                    LifecycleViolation(block, req_id, Violation.DOUBLE_ALLOCATION, self._names[holder])
-                )
+                name = self._names[holder]
+                if not self._released(name, block):
+                    self.violations.append(
+                        LifecycleViolation(block, req_id, Violation.DOUBLE_ALLOCATION, name)
+                    )
         self._own(blocks, req_id)
 
     def _taken_from_reader(self, block: int, req_id: str) -> None:
         """A full page handed to ``req_id`` while a live request holds it: a violation unless
-        the holder is ``req_id`` itself."""
-        holder = next(iter(self.holders_of(block)), None)
-        if holder is not None and holder != req_id:
-            self.violations.append(LifecycleViolation(block, req_id, Violation.DOUBLE_ALLOCATION, holder))
+        the holder is ``req_id`` itself, or vLLM released it from the holder's table."""
+        for holder in self.holders_of(block):
+            if holder != req_id and not self._released(holder, block):
+                self.violations.append(LifecycleViolation(block, req_id, Violation.DOUBLE_ALLOCATION, holder))
+                return
+
+    def _released(self, req_id: str, block: int) -> bool:
+        """Whether vLLM took ``block`` out of ``req_id``'s block table without the request ending
+        (a page behind its sliding window): if so, the ledger lets go of it too. The rare path
+        only: asked where the audit would otherwise report a violation."""
+        if self.still_held is None or self.still_held(req_id, block):
+            return False
+        number = self._numbers.get(req_id)
+        given = self._given.get(number) if number is not None else None
+        if given:
+            kept = [blocks[blocks != block] for blocks in given]
+            dropped = sum(len(a) for a in given) - sum(len(a) for a in kept)
+            self._given[number] = [a for a in kept if len(a)]  # type: ignore[index]
+            self._given_count -= dropped
+            self.held[block] = max(0, int(self.held[block]) - dropped)
+            if self.writer_of[block] == number:
+                self.writer_of[block] = -1
+        return True
 
     def _hit(self, req_id: str, blocks: np.ndarray, plan: StepPlan) -> None:
         states = self.state[blocks]
@@ -1028,9 +1054,10 @@ class BlockLedger:
             # A computed block of a running request that the ledger saw released: a
             # stale block table. Rare, so the owner lookup is per block here.
             for i in np.flatnonzero(states == FREE).tolist():
-                self.violations.append(
-                    LifecycleViolation(int(ids[i]), names[owner[i]], Violation.FREE_BLOCK_READ)
-                )
+                if not self._released(names[owner[i]], int(ids[i])):
+                    self.violations.append(
+                        LifecycleViolation(int(ids[i]), names[owner[i]], Violation.FREE_BLOCK_READ)
+                    )
         if len(ids) <= self._SMALL_READS:
             # A sampled step's few pages: first occurrences in order through a dict (C-level),
             # several times cheaper than np.unique's sort on a handful of ids.
@@ -1054,7 +1081,7 @@ class BlockLedger:
         first: dict[int, int] = {}
         for reader, table in enumerate(chosen):
             for block in table.tolist():
-                if state[block] == FREE:
+                if state[block] == FREE and not self._released(names[reader], block):
                     self.violations.append(
                         LifecycleViolation(block, names[reader], Violation.FREE_BLOCK_READ)
                     )

@@ -36,7 +36,8 @@ def build_tiny_model(
     """Write a random-weight model and its tokenizer to ``path`` (idempotent).
 
     ``family="gemma2"`` builds a Gemma-2 with sliding-window and full-attention
-    layers (two kinds of KV cache: a hybrid layout for vLLM's hybrid allocator).
+    layers (two kinds of KV cache: a hybrid layout for vLLM's hybrid allocator);
+    ``family="mistral"`` a Mistral whose every layer has a 64-token sliding window.
     ``nan_word``: the embedding of word ``w<nan_word>`` is NaN, a stand-in for a
     model that computes non-finite KV (every page written after it holds NaN).
     """
@@ -90,10 +91,16 @@ def build_tiny_model(
         model = Gemma2ForCausalLM(
             Gemma2Config(**common, pad_token_id=0, sliding_window=64, layer_types=layer_types)
         )
+    elif family == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        # Every layer attends to the last 64 tokens: vLLM frees the pages behind the window
+        # while a request runs (one KV cache group, all sliding-window).
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=64, tie_word_embeddings=False))
     elif family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     else:
-        raise ValueError(f"family={family!r}: expected llama or gemma2")
+        raise ValueError(f"family={family!r}: expected llama, mistral or gemma2")
     model = model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types .to() oddly
     if nan_word is not None:
         with torch.no_grad():

@@ -281,6 +281,36 @@ def test_a_full_block_allocated_while_a_running_request_holds_it_is_a_violation(
     assert plan.forget == [2]
 
 
+def test_a_page_vllm_released_from_a_running_table_is_no_violation_when_reused() -> None:
+    """vLLM frees the pages behind a sliding window while their request runs (its table gets
+    the null block there) and tells no connector. Handing such a page to another request is no
+    double allocation; the ledger asks before reporting, and lets go of it for the holder."""
+    ledger = BlockLedger(16, BS)
+    tables = {"a": [0, 2, 3]}  # block 1 behind the window: vLLM's null block (0) in its place
+    ledger.still_held = lambda req_id, block: block != 0 and block in tables.get(req_id, [])
+    ledger.plan([req("a", 0, 9, True, [1, 2, 3], [1, 2, 3])])
+    ledger.plan([req("a", 9, 1, False, [], [1, 2, 3]), req("b", 0, 4, True, [1], [1])])
+    assert ledger.take_violations() == []
+    assert ledger.holders_of(1) == ["b"] and ledger.held[1] == 1
+    # A page vLLM's table still has is a real use-after-free: reported as before.
+    ledger.plan([req("a", 10, 1, False, [], [1, 2, 3]), req("c", 0, 4, True, [2], [2])])
+    [v] = ledger.take_violations()
+    assert (v.block_id, v.what, v.req_id, v.holder) == (2, Violation.DOUBLE_ALLOCATION, "c", "a")
+
+
+def test_a_released_page_read_while_free_is_no_violation_but_a_held_one_is() -> None:
+    ledger, running = _running_ledger()
+    ledger.state[5] = BlockState.FREE
+    ledger.still_held = lambda req_id, block: block != 5
+    ledger.plan(running, read_budget=None)
+    assert ledger.take_violations() == []
+    ledger.state[5] = BlockState.FREE
+    ledger.still_held = lambda req_id, block: True
+    ledger.plan(running, read_budget=None)
+    [v] = ledger.take_violations()
+    assert (v.block_id, v.what) == (5, Violation.FREE_BLOCK_READ)
+
+
 def test_a_shared_prefix_block_counts_every_holder() -> None:
     ledger = BlockLedger(16, BS)
     ledger.plan([req("a", 0, 9, True, [1, 2, 3], [1, 2, 3])])
