@@ -68,6 +68,11 @@ class LogFormat(StrEnum):
     CONSOLE = "console"
 
 
+# The key of the guard's KV-connector extra config that names the connectors beside it in a
+# MultiConnector (set by the plugin): pages they load are checked (digest/loads.py).
+BESIDE_KEY = "kvguard_beside"
+
+
 @dataclass(frozen=True)
 class KVGuardConfig:
     """Effective settings. Field docs are the configuration reference (docs/configuration.md)."""
@@ -85,6 +90,7 @@ class KVGuardConfig:
     rows: bool = True
     hash: HashAlgorithm = HashAlgorithm.XXH3_64
     quarantine_max_fraction: float = 0.02
+    load_digests_bytes: int = 16 << 20
     log_format: LogFormat = LogFormat.AUTO
     log_file: str | None = None
     log_level: str = "INFO"
@@ -260,6 +266,7 @@ _VARIABLES = {
     "_ROWS": ("rows", _switch),
     "_HASH": ("hash", lambda var, raw: _choice(var, raw, HashAlgorithm)),
     "_QUARANTINE_MAX_FRACTION": ("quarantine_max_fraction", _fraction),
+    "_LOAD_DIGESTS": ("load_digests_bytes", _bytes),
     "_LOG_FORMAT": ("log_format", lambda var, raw: _choice(var, raw, LogFormat)),
     "_LOG_FILE": ("log_file", _log_file),
     "_LOG_LEVEL": ("log_level", _log_level),

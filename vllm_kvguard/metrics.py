@@ -45,9 +45,11 @@ SERIES = (
         "vllm:kvguard_verifications",
         "counter",
         "KV blocks verified against their seal, by trigger (reuse: a prefix-cache hit; sampled, "
-        "paranoid: pages running requests read; scrub: sealed pages walked in the background).",
+        "paranoid: pages running requests read; scrub: sealed pages walked in the background; "
+        "external_load: pages another KV connector loaded, against the digests sealed here for "
+        "the same inputs).",
         "trigger",
-        ("reuse", "sampled", "paranoid", "scrub"),
+        ("reuse", "sampled", "paranoid", "scrub", "external_load"),
     ),
     Series(
         "bytes_hashed",
@@ -136,10 +138,12 @@ SERIES = (
         "vllm:kvguard_pages_loaded",
         "counter",
         "KV pages another KV connector (LMCache, NIXL, offloading, ...) loaded into this engine, "
-        "by whether they were verified against a digest sealed here (verified=no: sealed as "
-        "loaded, after the step that loaded them, and guarded like any page from then on).",
+        "by whether they were checked against the digests sealed here for the same inputs "
+        "before attention read them (yes; a mismatch is a kv_block_corrupted, trigger "
+        "external_load) or not (no: never sealed here, evicted from VLLM_KVGUARD_LOAD_DIGESTS, "
+        "or the device path). Either way sealed as loaded and guarded from then on.",
         "verified",
-        ("no",),
+        ("yes", "no"),
     ),
     Series(
         "repaired",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from vllm_kvguard.config import KVGuardConfig, Mode, load_config
+from vllm_kvguard.config import BESIDE_KEY, KVGuardConfig, Mode, load_config
 from vllm_kvguard.errors import KVGuardConfigError
 
 CONNECTOR = "KVGuardConnector"
@@ -142,10 +142,12 @@ def compose_kv_transfer_config(ktc: Any, config: KVGuardConfig, *, hma: bool = F
         children = [
             c for c in extra.get("connectors", []) if c.get("kv_connector") not in (CONNECTOR, HMA_CONNECTOR)
         ]
+        ours["kv_connector_extra_config"][BESIDE_KEY] = [str(c.get("kv_connector")) for c in children]
         extra["connectors"] = [*children, ours]
         user["kv_connector_extra_config"] = extra
         user["kv_load_failure_policy"] = policy
         return KVTransferConfig(**user)
+    ours["kv_connector_extra_config"][BESIDE_KEY] = [str(user_connector)]
     child = {k: v for k, v in user.items() if k not in ("kv_load_failure_policy", "engine_id")}
     top = {k: user[k] for k in ("kv_role", "engine_id", "kv_buffer_device") if k in user}
     return KVTransferConfig(

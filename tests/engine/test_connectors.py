@@ -13,12 +13,26 @@ The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from tests.engine.harness import engine, greedy, guard_env, metric, read_log, words
+from tests.engine.harness import (
+    affected_once,
+    engine,
+    events,
+    greedy,
+    guard_env,
+    honest,
+    metric,
+    read_log,
+    words,
+)
+from vllm_kvguard.tools import report
 
 pytestmark = pytest.mark.engine
 INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -71,7 +85,8 @@ def _run(model: str, env: dict[str, str], store: Path, prefix_caching: bool) -> 
         num_gpu_blocks_override=24,
     ) as llm:
         texts = _workload(llm)
-        loaded = metric(llm, "vllm:kvguard_pages_loaded", verified="no")
+        loaded = metric(llm, "vllm:kvguard_pages_loaded", verified="yes")
+        assert metric(llm, "vllm:kvguard_pages_loaded", verified="no") == 0
     return texts, loaded
 
 
@@ -99,8 +114,93 @@ def test_pages_another_connector_loads_raise_no_false_alarm(
     assert [line["event"] for line in lines if line["event"] in FINDINGS] == []
     # Request by request, the same text as with the guard off.
     assert texts == plain[prefix_caching]
-    # The second pass really loaded pages through the other connector: 4 full pages a prompt,
-    # less those still in the local prefix cache.
+    # The second pass really loaded pages through the other connector (4 full pages a prompt,
+    # less those still in the local prefix cache), and each was checked against the digests
+    # sealed here for the same inputs when they were computed (verified="yes").
     assert loaded >= (4 if prefix_caching else 12), loaded
     started = [line for line in lines if line["event"] == "kvguard_started" and line["role"] == "scheduler"]
     assert started and started[0]["config"]["verify"] == verify
+
+
+# ------------------------------------------------------------- a connector that loads wrong KV
+# The LMCache class of bug (LMCache #4463: KV restored permuted into the pages after vLLM
+# changed its layout): the bytes loaded back are not the bytes saved. Reproduced by making the
+# example connector's load return each saved tensor reversed in its last axis (head_dim).
+
+
+@contextlib.contextmanager
+def _loads_reversed(store: Path) -> Iterator[list[str]]:
+    import safetensors.torch
+
+    load_file = safetensors.torch.load_file
+    loads: list[str] = []
+
+    def reversed_load(filename: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        tensors = load_file(filename, *args, **kwargs)
+        if str(filename).startswith(str(store)):
+            loads.append(str(filename))
+            return {name: t.flip(-1).contiguous() for name, t in tensors.items()}
+        return tensors
+
+    safetensors.torch.load_file = reversed_load
+    try:
+        yield loads
+    finally:
+        safetensors.torch.load_file = load_file
+
+
+def _bad_load_run(model: str, env: dict[str, str], store: Path) -> tuple[list[str], list[Any], float]:
+    """The prompts computed (and saved), then again with every load reversed: the first
+    pass's texts, the second pass's outputs, and the pages checked at load."""
+    with engine(
+        model,
+        env,
+        kv_transfer_config=_connector(store),
+        enable_prefix_caching=False,
+        max_num_batched_tokens=1024,
+        num_gpu_blocks_override=24,
+    ) as llm:
+        first = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy(16), use_tqdm=False)]
+        with _loads_reversed(store) as loads:
+            second = [o.outputs[0] for o in llm.generate(PROMPTS, greedy(16), use_tqdm=False)]
+        assert len(loads) >= len(PROMPTS)  # every prompt's layers were loaded (wrongly)
+        checked = metric(llm, "vllm:kvguard_pages_loaded", verified="yes")
+    return first, second, checked
+
+
+def test_control_a_load_restored_reversed_changes_the_text(tiny_model: str, tmp_path: Path) -> None:
+    first, second, _ = _bad_load_run(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, tmp_path / "store")
+    assert [c.finish_reason for c in second] == ["length"] * len(PROMPTS)
+    assert [c.text for c in second] != first
+
+
+@pytest.mark.parametrize("mode", ["quarantine", "raise", "log"])
+def test_a_load_restored_reversed_is_caught_before_attention_reads_it(
+    tiny_model: str, tmp_path: Path, mode: str
+) -> None:
+    log = tmp_path / "guard.jsonl"
+    env = guard_env(mode, log, **INPROC, VLLM_KVGUARD_REPAIR="1")
+    first, second, checked = _bad_load_run(tiny_model, env, tmp_path / "store")
+    assert checked >= 4 * len(PROMPTS)
+    found = events(log, "kv_block_corrupted")
+    assert found and {line["trigger"] for line in found} == {"external_load"}
+    assert {line["connector"] for line in found} == {"ExampleConnector"}
+    assert not events(log, "kv_block_quarantined")  # a bad load is not bad memory
+    # `kvguard report` names the connector and calls it a software fault, not memory.
+    summary = report.summarize(report.read_events(log))
+    assert summary["by"]["kind"] == {"loaded wrong by ExampleConnector": len(found)}
+    assert summary["diagnosis"]["verdict"] == "software: a KV connector loaded wrong KV"
+    outcomes = affected_once(log)
+    expected = {"quarantine": "healed", "raise": "failed", "log": "suspect"}[mode]
+    assert set(outcomes.values()) == {expected} and len(outcomes) == len(PROMPTS)
+    for out, clean in zip(second, first, strict=True):
+        # Never silently wrong: the same text, an error naming the block, or flagged.
+        assert honest(SimpleNamespace(outputs=[out]), clean)
+        if mode == "quarantine":
+            assert out.text == clean and out.finish_reason == "length"
+        elif mode == "raise":
+            assert out.finish_reason == "error" and str(out.stop_reason).startswith(
+                "KV-cache corruption: block "
+            )
+        else:
+            assert str(out.stop_reason).endswith("(suspect)")

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from vllm_kvguard.config import KVGuardConfig, load_config
+from vllm_kvguard.config import BESIDE_KEY, KVGuardConfig, load_config
 from vllm_kvguard.connector import patches
 from vllm_kvguard.connector.metadata import KVGuardMetadata, KVGuardWorkerMetadata
 from vllm_kvguard.connector.scheduler import KVGuardScheduler
@@ -169,6 +169,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                     "active": self.active,
                     "kv_cache_groups": groups,
                 },
+                beside=[str(name) for name in extra.get(BESIDE_KEY, ())],
             )
             patches.patch_scheduler()
             if not self.active:
@@ -214,7 +215,7 @@ class KVGuardConnector(KVConnectorBase_V1):
         # (reuse, and sampled between the steps its reads are batched on): return at once,
         # without the hook's timing and error handling (one attribute test).
         worker = self.worker
-        if worker is not None and worker.reads_left:
+        if worker is not None and (worker.reads_left or worker.loads_left):
             self._wait_for_layer_load(layer_name)
 
     @fail_open(lambda self: None, "wait_for_layer_load")

@@ -54,6 +54,12 @@ class KVGuardMetadata(KVConnectorMetadata):
     # Empty where no row of the step could tell one (the usual step: the worker then tests its
     # length, not every row).
     lost_write_rows: np.ndarray = field(default_factory=_no_rows)
+    # Only beside another KV connector (digest/loads.py): the pages sealed this step and their
+    # identity fingerprints (the worker keeps their digests under them), and the full pages
+    # another connector loaded for this step with the fingerprints their readers expect.
+    sealed_identity: tuple[np.ndarray, np.ndarray] | None = None
+    loaded: tuple[np.ndarray, np.ndarray] | None = None
+    load_readers: dict[int, list[str]] = field(default_factory=dict)
 
     @property
     def step(self) -> int:

@@ -278,8 +278,12 @@ class KVGuardScheduler:
         num_layers: int,
         model_name: str,
         details: dict[str, object],
+        beside: list[str] | None = None,
     ) -> None:
         self.config = config
+        # The KV connectors beside the guard in a MultiConnector: pages they load are checked
+        # against the digests sealed here for the same inputs (digest/loads.py).
+        self.beside = list(beside or ())
         self.log = log
         self.block_size = block_size
         self.internal_errors = 0
@@ -379,11 +383,6 @@ class KVGuardScheduler:
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVGuardMetadata:
         requests, decodes = step_views(so, self.block_size, self.kv_cache_manager, self._local_hits)
-        if requests:
-            loaded = sum(-(-r.loaded // self.block_size) for r in requests if r.loaded)
-            if loaded:
-                # Sealed as loaded, after this step: not checked against an earlier seal.
-                self.counters.add("pages_loaded", loaded, label="no")
         now = time.monotonic()
         plan = self.ledger.plan(requests, self.read_budget, now, so.preempted_req_ids or (), decodes)
         meta = KVGuardMetadata(plan, read_trigger=str(self.config.verify) if plan.read_verify else "")
@@ -400,6 +399,8 @@ class KVGuardScheduler:
             or plan.sealed_decodes is not None
         ):
             self._check_identity(plan, meta)
+        if requests and any(r.loaded for r in requests):
+            self._plan_loads(requests, meta)
         if len(plan.written_blocks):
             lost = self.ledger.lost_write_rows(plan.written_blocks)
             if np.count_nonzero(lost):
@@ -431,8 +432,11 @@ class KVGuardScheduler:
         the reader's own fingerprint for that position, before the forward that reads it."""
         for req_id, positions, blocks in plan.given_pages:
             self.ledger.record_owners(blocks, self.identity.owner_keys(req_id, positions))
+        keep: list[tuple[np.ndarray, np.ndarray]] = []
         for req_id, positions, blocks in plan.sealed_pages:
-            self.ledger.record_identity(req_id, blocks, self.identity.fingerprints(req_id, positions))
+            fingerprints = self.identity.fingerprints(req_id, positions)
+            self.ledger.record_identity(req_id, blocks, fingerprints)
+            keep.append((blocks, fingerprints))
         given, sealed = plan.given_decodes, plan.sealed_decodes
         if given is not None:  # a decode batch's pages: one call each for all of them
             self.ledger.record_owners(
@@ -441,6 +445,13 @@ class KVGuardScheduler:
         if sealed is not None:
             fingerprints = self.identity.fingerprint_each(sealed.req_ids, sealed.positions)
             self.ledger.record_identity(sealed.req_ids, sealed.blocks, fingerprints)
+            keep.append((sealed.blocks, fingerprints))
+        if self.beside and keep:
+            # The worker keeps these pages' digests under what they hold, for later loads.
+            meta.sealed_identity = (
+                np.concatenate([b for b, _ in keep]).astype(np.int64),
+                np.concatenate([f for _, f in keep]).astype(np.uint64),
+            )
         found: list[IdentityMismatch] = []
         hits: dict[str, int] = {}
         for req_id, blocks in plan.hit_pages:
@@ -451,6 +462,31 @@ class KVGuardScheduler:
                 hits[req_id] = len(blocks)
         if found:
             self._handle_identity(found, hits, meta)
+
+    def _plan_loads(self, requests: list[ScheduledRequest], meta: KVGuardMetadata) -> None:
+        """The full pages another connector loaded for this step, with the fingerprint each
+        reader expects (its own inputs): the worker checks them before attention reads them.
+        Without a connector named beside the guard (configured by hand), they are counted as
+        loaded unverified."""
+        bs = self.block_size
+        blocks: list[np.ndarray] = []
+        fingerprints: list[np.ndarray] = []
+        for r in requests:
+            first, end = r.num_computed // bs, (r.num_computed + r.loaded) // bs
+            if not r.loaded or end <= first:
+                continue
+            positions = np.arange(first, end, dtype=np.int64)
+            pages = self.ledger.table(r.req_id)[first:end].astype(np.int64)
+            blocks.append(pages)
+            fingerprints.append(self.identity.fingerprints(r.req_id, positions))
+            for block in pages.tolist():
+                meta.load_readers.setdefault(block, []).append(r.req_id)
+        if not blocks:
+            return
+        if not self.beside:
+            self.counters.add("pages_loaded", sum(len(b) for b in blocks), label="no")
+            return
+        meta.loaded = (np.concatenate(blocks), np.concatenate(fingerprints).astype(np.uint64))
 
     def _handle_identity(
         self, found: list[IdentityMismatch], hits: dict[str, int], meta: KVGuardMetadata
@@ -755,7 +791,12 @@ class KVGuardScheduler:
             # Found at fill, after the forward that read the changed rows.
             unverified_steps = max(1, unverified_steps)
         repaired = all(d.repaired for d in detections)
-        if repaired:
+        loaded = first.trigger == "external_load"
+        if loaded:
+            # Another connector loaded bytes that differ from what was computed here for the
+            # same inputs: its readers were checked before attention read the page.
+            decision = policy.on_bad_load(self.config.mode)
+        elif repaired:
             read_unverified = unverified_steps > 0 and any(r not in hitters for r in readers)
             decision = policy.on_repaired(self.config.mode, read_unverified=read_unverified)
             self.counters.add("repaired")
@@ -769,6 +810,8 @@ class KVGuardScheduler:
             self.counters.add("shapes", label=first.shape)
         if decision.evict:
             self._evict_from_cache(block, holders)
+        # Which connector loaded it: the one beside the guard (several: all their names).
+        load_fields: dict[str, Any] = {"connector": "|".join(self.beside) or "unknown"} if loaded else {}
         self.log.event(
             "kv_block_corrupted",
             BlockCorrupted(
@@ -791,6 +834,7 @@ class KVGuardScheduler:
                 device=str(first.where.get("device", "")),
             ),
             level="error",
+            **load_fields,
         )
         if decision.quarantine:
             # After the finding's own line: the runbook reads them in this order.

@@ -37,6 +37,7 @@ from vllm_kvguard.core.faults import FaultKind, FaultSite, Injection
 from vllm_kvguard.core.shapes import Shape, classify
 from vllm_kvguard.digest import DeviceDigestTable, DigestTable, KVPages, PendingCheck, rowhash
 from vllm_kvguard.digest.kernel import RowGeometry, kernel_available
+from vllm_kvguard.digest.loads import LoadDigests
 from vllm_kvguard.digest.rows import (
     AxisRows,
     DeviceRowDigests,
@@ -373,6 +374,15 @@ class KVGuardWorker:
         # Device checks whose worker-side effect (forgetting bad seals) has not run yet;
         # the step's checks also travel in the worker metadata, settled with its output.
         self._unsettled: list[DeviceCheck | DeviceRowCheck] = []
+        # Beside another KV connector (digest/loads.py): digests by page identity, and this
+        # step's loaded pages still to check per layer (blocks, their digests as sealed here),
+        # with the mismatches found so far and the blocks found bad (not sealed this step).
+        self.loads: LoadDigests | None = None
+        self.loads_left: set[int] = set()
+        self._load_blocks: list[int] = []
+        self._load_expected: np.ndarray = np.zeros((0, 0), dtype=np.uint64)
+        self._load_bad: list[tuple[int, int, int, int]] = []
+        self._bad_loads: set[int] = set()
 
     def internal_error(self, where: str, exc: Exception) -> None:
         """A hook failed (fail-open): logged here, counted by the scheduler."""
@@ -581,6 +591,10 @@ class KVGuardWorker:
             if self.rows is not None:
                 self.rows.forget(meta.invalidate)
         self.reads_left = set()
+        self.loads_left = set()
+        self._bad_loads = set()
+        if meta.loaded is not None:
+            self._begin_loads(meta)
         self._read_partial = plan.read_partial if self.rows is not None else []
         if self._read_partial and not plan.read_verify:
             assert self.pages is not None
@@ -598,6 +612,92 @@ class KVGuardWorker:
                 self._read_blocks, self._read_expected = self.table.read_seals(plan.read_verify)
             self._read_seconds = 0.0
             self.counters.add("verified", len(self._read_blocks), label=meta.read_trigger)
+
+    # ------------------------------------------------------------- loaded pages
+
+    def _begin_loads(self, meta: KVGuardMetadata) -> None:
+        """Pages another connector loads for this step: look up the digests sealed here for
+        each one's identity (host path); each layer is checked as it is about to be read
+        (:meth:`_check_loads`). Pages never sealed here are counted as loaded unverified."""
+        assert meta.loaded is not None and self.pages is not None
+        blocks, fingerprints = meta.loaded
+        if isinstance(self.table, DeviceDigestTable):
+            self.counters.add("pages_loaded", len(blocks), label="no")
+            return
+        if self.loads is None:
+            self.loads = LoadDigests(self.pages.num_layers, self.config.load_digests_bytes)
+        expected = self.loads.expected(fingerprints)
+        known = [i for i, row in enumerate(expected) if row is not None]
+        if len(known) < len(blocks):
+            self.counters.add("pages_loaded", len(blocks) - len(known), label="no")
+        if not known:
+            return
+        self._load_blocks = [int(blocks[i]) for i in known]
+        self._load_expected = np.stack([expected[i] for i in known])  # type: ignore[misc]
+        self._load_bad = []
+        self.loads_left = set(self._every_layer)
+
+    def _check_loads(self, layers: list[int]) -> None:
+        """Hash the loaded pages of ``layers`` (their load has landed: the connectors beside the
+        guard run their hooks for a layer before it) and compare with their digests."""
+        assert self.pages is not None
+        blocks = self._load_blocks
+        for layer in layers:
+            self.loads_left.discard(layer)
+            actual = self.pages.digest_layer(layer, blocks)
+            expected = self._load_expected[:, layer].tolist()
+            for i, (want, got) in enumerate(zip(expected, actual, strict=True)):
+                if want != got:
+                    self._load_bad.append((blocks[i], layer, want, got))
+        if not self.loads_left:
+            self._finish_loads()
+
+    def _finish_loads(self) -> None:
+        """Every layer of the step's loaded pages checked: report each bad page once (its first
+        bad layer), unreadable so that vLLM recomputes its readers (outside log mode)."""
+        assert self.pages is not None and self._meta is not None
+        meta = self._meta
+        self.counters.add("pages_loaded", len(self._load_blocks), label="yes")
+        self.counters.add("verified", len(self._load_blocks), label="external_load")
+        self.counters.add("bytes_hashed", len(self._load_blocks) * self.pages.bytes_per_block, label="verify")
+        out = self._worker_meta()
+        out.verified_steps.add(meta.step)
+        seen: set[int] = set()
+        for block, layer, want, got in self._load_bad:
+            if block in seen:
+                continue
+            seen.add(block)
+            bad_layers = sum(1 for b, *_ in self._load_bad if b == block)
+            out.detections.append(
+                Detection(
+                    self.rank,
+                    block,
+                    self.pages.names[layer],
+                    want,
+                    got,
+                    tuple(meta.load_readers.get(block, ())),
+                    "external_load",
+                    meta.step,
+                    where={"device": str(self.pages.tensors[layer].device), "layers_bad": bad_layers},
+                )
+            )
+        self._bad_loads = seen
+        if seen and self.config.mode != Mode.LOG:
+            self._invalid |= seen
+        self._load_blocks, self._load_bad = [], []
+
+    def _remember_sealed(self, meta: KVGuardMetadata) -> None:
+        """Keep the digests of the pages sealed this step under what they hold (host path)."""
+        assert meta.sealed_identity is not None and self.pages is not None and self.table is not None
+        if isinstance(self.table, DeviceDigestTable):
+            return
+        if self.loads is None:
+            self.loads = LoadDigests(self.pages.num_layers, self.config.load_digests_bytes)
+        blocks, fingerprints = meta.sealed_identity
+        sealed = self.table.sealed[blocks]
+        if self._bad_loads:
+            sealed &= ~np.isin(blocks, list(self._bad_loads))
+        self.loads.remember(fingerprints[sealed], self.table.digests[blocks[sealed]])
 
     def _defer_rows(
         self,
@@ -760,6 +860,10 @@ class KVGuardWorker:
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Called per attention layer after this step's KV write and before attention
         # reads the cache: verify the sealed pages the step reads, for this layer.
+        if self.loads_left:
+            at = self._layer_index.get(layer_name)
+            if at is not None and at in self.loads_left:
+                self._check_loads([at])
         if not self.reads_left:
             return
         layer = self._layer_index.get(layer_name)
@@ -990,7 +1094,11 @@ class KVGuardWorker:
         if self.table is None or self.pages is None or meta is None:
             return
         self.finish_forward()
+        if self.loads_left:  # layers whose hook did not run: checked now, after the forward
+            self._check_loads(sorted(self.loads_left))
         seal = meta.plan.seal
+        if self._bad_loads:  # a bad load is never sealed; its readers recompute it
+            seal = [b for b in seal if b not in self._bad_loads]
         # After the forward: the pages whose last slot was written this step are final.
         at_rest, filling = [], []
         for injection in meta.inject:
@@ -1031,6 +1139,8 @@ class KVGuardWorker:
             # One gather of the pages being sealed for both the NaN/Inf test and the syndromes.
             flags, facts = self.pages.seal_facts(seal, check_finite=self.config.nonfinite_mode is not None)
             self._seal_host(meta, seal, flags, facts, None)
+        if meta.sealed_identity is not None:
+            self._remember_sealed(meta)
         for injection in at_rest:
             if not self._inject(injection):
                 self._worker_meta().unchanged_faults.append(injection.fault_id)
@@ -1320,7 +1430,8 @@ class KVGuardWorker:
             if self.table is not None and now - self._state_reported_at >= 1.0:
                 self._state_reported_at = now
                 rows = self.rows.nbytes() if self.rows is not None else 0
-                self.counters.set("state_bytes", self.table.nbytes() + rows, label="worker")
+                loads = self.loads.nbytes() if self.loads is not None else 0
+                self.counters.set("state_bytes", self.table.nbytes() + rows + loads, label="worker")
         if start is not None or not self.counters.empty():  # (a step's counters hold its time: not empty)
             self._worker_meta().counters = self.counters.take()
         # Device checks are read back after vLLM waits for the step's output, not here

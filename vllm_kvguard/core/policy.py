@@ -103,6 +103,19 @@ def on_corruption(mode: Mode) -> Decision:
     return Decision(Action.QUARANTINED_RECOMPUTED, HEALED, evict=True, quarantine=True)
 
 
+def on_bad_load(mode: Mode) -> Decision:
+    """A page another KV connector loaded differs from what was computed here for the same
+    inputs, found before attention read it: the block is reported unreadable in that step (the
+    worker did), so vLLM recomputes its readers (``quarantine``: healed) or they fail
+    (``raise``); ``log`` lets them read it (suspect). The block itself is not bad memory: taken
+    out of the prefix cache, not quarantined."""
+    if mode == Mode.LOG:
+        return Decision(Action.LOGGED, SUSPECT)
+    if mode == Mode.RAISE:
+        return Decision(Action.REQUESTS_FAILED, FAILED, evict=True, fail_readers=True)
+    return Decision(Action.RECOMPUTED, HEALED, evict=True)
+
+
 def on_unfilled_corruption(mode: Mode) -> Decision:
     """Written rows of a page still being written changed (row digests). As on_corruption, but
     the page is not quarantined: its writer still holds it and rewrites it as it recomputes (a

@@ -213,6 +213,23 @@ def _drill(injected: list[dict[str, Any]], armed: bool) -> Diagnosis:
     )
 
 
+def _bad_loads(lines: list[dict[str, Any]]) -> Diagnosis:
+    connectors = Counter(str(e.get("connector", "another connector")) for e in lines)
+    names = ", ".join(f"{k} {n}" for k, n in connectors.most_common())
+    return Diagnosis(
+        "software: a KV connector loaded wrong KV",
+        f"{len(lines)} page(s) loaded by another KV connector ({names}) differ from what this engine "
+        "computed for the same inputs: the connector restored the bytes wrongly (a layout or dtype "
+        "mismatch after an upgrade, a truncated transfer), not a memory fault",
+        [
+            "compare the connector's version with vLLM's KV layout of this release (the LMCache class: KV "
+            "restored permuted after vLLM changed its layout); roll back whichever changed last",
+            "the pages were caught before attention read them: in quarantine mode their readers recomputed",
+        ],
+        "docs/runbook.md#pages-loaded-by-another-connector",
+    )
+
+
 def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     """Bad pages (corrupted after their seal, or non-finite when written) by every key, each
     table adding up to ``bad_pages``; the other findings; the requests' outcomes; a diagnosis."""
@@ -234,9 +251,12 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
             later = diagnosed.get(e.get("block_id"))
             shape = str(later.pop(0).get("shape", shape)) if later else shape
         rank = int(e.get("rank", 0))
+        loaded = e.get("trigger") == "external_load"
         pages.append(
             {
-                "kind": "corrupted after its seal",
+                "kind": f"loaded wrong by {e.get('connector', 'another connector')}"
+                if loaded
+                else "corrupted after its seal",
                 "shape": shape,
                 "rank": rank,
                 "device": str(e.get("device") or device_of.get(rank, "not recorded")),
@@ -265,8 +285,11 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         "writes lost": sum(e["event"] == "kv_block_write_lost" for e in events),
         "lifecycle violations": sum(e["event"] == "kv_block_lifecycle_violation" for e in events),
     }
+    bad_loads = [e for e in corrupted if e.get("trigger") == "external_load"]
     if injected or armed:
         verdict = _drill(injected, armed)
+    elif bad_loads:
+        verdict = _bad_loads(bad_loads)
     else:
         findings = [(p["shape"], p["rank"], p["device"]) for p in pages if p["shape"] != "undiagnosed"]
         verdict = diagnose(findings)

@@ -8,10 +8,12 @@ from vllm_kvguard.connector.facade import KVGuardConnector
 
 
 class _Worker:
-    """The worker as the facade sees it: reads left to verify, the hook's time and errors."""
+    """The worker as the facade sees it: reads and loads left to verify, the hook's time and
+    errors."""
 
     def __init__(self) -> None:
         self.reads_left: set[int] = set()
+        self.loads_left: set[int] = set()
         self.hook_seconds = 0.0
         self.calls: list[str] = []
         self.errors: list[str] = []
@@ -37,3 +39,8 @@ def test_wait_for_layer_load_returns_at_once_with_no_read_left_and_names_its_hoo
     KVGuardConnector.wait_for_layer_load(facade, "model.layers.0.self_attn.attn")
     assert worker.calls == ["model.layers.0.self_attn.attn"]
     assert worker.errors == ["wait_for_layer_load"] and worker.hook_seconds > 0.0
+    # Loaded pages left to check (another connector's load) go through the hook too.
+    worker.reads_left, worker.calls = set(), []
+    worker.loads_left = {0}
+    KVGuardConnector.wait_for_layer_load(facade, "model.layers.0.self_attn.attn")
+    assert worker.calls == ["model.layers.0.self_attn.attn"]
