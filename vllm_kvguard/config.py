@@ -91,6 +91,8 @@ class KVGuardConfig:
     hash: HashAlgorithm = HashAlgorithm.XXH3_64
     quarantine_max_fraction: float = 0.02
     load_digests_bytes: int = 16 << 20
+    digest_dir: str | None = None
+    digest_dir_bytes: int = 256 << 20
     log_format: LogFormat = LogFormat.AUTO
     log_file: str | None = None
     log_level: str = "INFO"
@@ -219,6 +221,26 @@ def _port(var: str, raw: str) -> int | None:
     return int(text)
 
 
+def _digest_dir(var: str, raw: str) -> str | None:
+    """A folder engines share page digests through (created if missing, like a log file's
+    folder must exist: its parent must)."""
+    text = raw.strip()
+    if not text:
+        return None
+    path = os.path.abspath(os.path.expanduser(text))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise KVGuardConfigError(var, raw, f"a folder (or a path to create one): {path} is a file")
+    if not os.path.isdir(path) and not os.path.isdir(os.path.dirname(path)):
+        raise KVGuardConfigError(
+            var,
+            raw,
+            f"a folder, or a path to create one in an existing folder: {os.path.dirname(path)} is missing",
+        )
+    if os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK):
+        raise KVGuardConfigError(var, raw, f"a folder the engine can write: {path} is not writable")
+    return path
+
+
 def _log_file(var: str, raw: str) -> str | None:
     """A file the guard can append to: checked here, before any engine process starts, so that a
     typo stops start-up with one line instead of killing the engine core later."""
@@ -267,6 +289,8 @@ _VARIABLES = {
     "_HASH": ("hash", lambda var, raw: _choice(var, raw, HashAlgorithm)),
     "_QUARANTINE_MAX_FRACTION": ("quarantine_max_fraction", _fraction),
     "_LOAD_DIGESTS": ("load_digests_bytes", _bytes),
+    "_DIGEST_DIR": ("digest_dir", _digest_dir),
+    "_DIGEST_DIR_BYTES": ("digest_dir_bytes", _bytes),
     "_LOG_FORMAT": ("log_format", lambda var, raw: _choice(var, raw, LogFormat)),
     "_LOG_FILE": ("log_file", _log_file),
     "_LOG_LEVEL": ("log_level", _log_level),

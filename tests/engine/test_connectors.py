@@ -204,3 +204,79 @@ def test_a_load_restored_reversed_is_caught_before_attention_reads_it(
             )
         else:
             assert str(out.stop_reason).endswith("(suspect)")
+
+
+# ------------------------------------------------------------- prefill / decode on one machine
+# A kv_producer engine computes the prompts (the connector saves their KV, the guard publishes
+# their digests in VLLM_KVGUARD_DIGEST_DIR); a kv_consumer engine, which never computed them,
+# loads them and checks them against what the producer published.
+
+
+def _role_run(
+    model: str, env: dict[str, str], store: Path, role: str, reverse: bool = False
+) -> tuple[list[Any], float, float]:
+    connector = {**_connector(store), "kv_role": role}
+    with engine(
+        model,
+        env,
+        kv_transfer_config=connector,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=1024,
+        num_gpu_blocks_override=24,
+    ) as llm:
+        with _loads_reversed(store) if reverse else contextlib.nullcontext():
+            outs = [o.outputs[0] for o in llm.generate(PROMPTS, greedy(16), use_tqdm=False)]
+        checked = metric(llm, "vllm:kvguard_pages_loaded", verified="yes")
+        unchecked = metric(llm, "vllm:kvguard_pages_loaded", verified="no")
+    return outs, checked, unchecked
+
+
+def test_a_consumer_engine_checks_what_it_loads_against_the_producers_digests(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    store, digests = tmp_path / "store", tmp_path / "digests"
+    env = {**INPROC, "VLLM_KVGUARD_REPAIR": "1"}
+    produced, _, _ = _role_run(
+        tiny_model,
+        guard_env("quarantine", tmp_path / "producer.jsonl", **env, VLLM_KVGUARD_DIGEST_DIR=str(digests)),
+        store,
+        "kv_producer",
+    )
+    texts = [c.text for c in produced]
+    assert list(digests.glob("*/*.bin")), "the producer published no digest"
+    # Without the producer's digests the consumer cannot check pages it never computed: counted
+    # unverified, sealed as loaded, and never published as a reference for other engines.
+    empty = tmp_path / "empty"
+    alone, checked, unchecked = _role_run(
+        tiny_model,
+        guard_env("quarantine", tmp_path / "alone.jsonl", **env, VLLM_KVGUARD_DIGEST_DIR=str(empty)),
+        store,
+        "kv_consumer",
+    )
+    assert checked == 0 and unchecked >= 4 * len(PROMPTS)
+    assert [c.text for c in alone] == texts
+    assert sum(f.stat().st_size for f in empty.glob("*/*.bin")) == 0
+    # With it: every loaded page checked, the same text, no finding.
+    log = tmp_path / "consumer.jsonl"
+    consumed, checked, unchecked = _role_run(
+        tiny_model,
+        guard_env("quarantine", log, **env, VLLM_KVGUARD_DIGEST_DIR=str(digests)),
+        store,
+        "kv_consumer",
+    )
+    assert checked >= 4 * len(PROMPTS) and unchecked == 0
+    assert [c.text for c in consumed] == texts
+    assert [line["event"] for line in read_log(log) if line["event"] in FINDINGS] == []
+    # A consumer whose loads come back reversed: caught at load, its requests recomputed.
+    bad_log = tmp_path / "bad.jsonl"
+    healed, _, _ = _role_run(
+        tiny_model,
+        guard_env("quarantine", bad_log, **env, VLLM_KVGUARD_DIGEST_DIR=str(digests)),
+        store,
+        "kv_consumer",
+        reverse=True,
+    )
+    found = events(bad_log, "kv_block_corrupted")
+    assert found and {line["trigger"] for line in found} == {"external_load"}
+    assert set(affected_once(bad_log).values()) == {"healed"}
+    assert [c.text for c in healed] == texts

@@ -47,6 +47,7 @@ from vllm_kvguard.digest.rows import (
     RowCheck,
     RowDigests,
 )
+from vllm_kvguard.digest.store import DigestFolder, DigestStore
 from vllm_kvguard.digest.syndrome import locate, page_words, syndromes
 from vllm_kvguard.logs import GuardLog
 
@@ -378,11 +379,17 @@ class KVGuardWorker:
         # step's loaded pages still to check per layer (blocks, their digests as sealed here),
         # with the mismatches found so far and the blocks found bad (not sealed this step).
         self.loads: LoadDigests | None = None
+        # VLLM_KVGUARD_DIGEST_DIR: the digests this engine seals, published for other engines
+        # (a decode engine loading a prefill engine's pages), and theirs, fetched on a miss.
+        self.store: DigestStore | None = None
         self.loads_left: set[int] = set()
         self._load_blocks: list[int] = []
         self._load_expected: np.ndarray = np.zeros((0, 0), dtype=np.uint64)
         self._load_bad: list[tuple[int, int, int, int]] = []
-        self._bad_loads: set[int] = set()
+        # This step's loaded pages found bad (not sealed), and those plus the ones that could
+        # not be checked (sealed, but never kept as a reference digest).
+        self._load_failed: set[int] = set()
+        self._not_reference: set[int] = set()
 
     def internal_error(self, where: str, exc: Exception) -> None:
         """A hook failed (fail-open): logged here, counted by the scheduler."""
@@ -592,7 +599,8 @@ class KVGuardWorker:
                 self.rows.forget(meta.invalidate)
         self.reads_left = set()
         self.loads_left = set()
-        self._bad_loads = set()
+        self._not_reference = set()
+        self._load_failed = set()
         if meta.loaded is not None:
             self._begin_loads(meta)
         self._read_partial = plan.read_partial if self.rows is not None else []
@@ -624,12 +632,18 @@ class KVGuardWorker:
         if isinstance(self.table, DeviceDigestTable):
             self.counters.add("pages_loaded", len(blocks), label="no")
             return
-        if self.loads is None:
-            self.loads = LoadDigests(self.pages.num_layers, self.config.load_digests_bytes)
-        expected = self.loads.expected(fingerprints)
+        loads = self._load_digests()
+        expected = loads.expected(fingerprints)
+        if self.store is not None and any(row is None for row in expected):
+            # Pages another engine computed: what it published since the last look.
+            loads.remember(*self.store.fetch())
+            expected = loads.expected(fingerprints)
         known = [i for i, row in enumerate(expected) if row is not None]
         if len(known) < len(blocks):
             self.counters.add("pages_loaded", len(blocks) - len(known), label="no")
+            # Sealed as loaded, but never a reference for later loads (here or, published,
+            # in other engines): nothing says these bytes are what their inputs compute.
+            self._not_reference |= {int(b) for i, b in enumerate(blocks.tolist()) if expected[i] is None}
         if not known:
             return
         self._load_blocks = [int(blocks[i]) for i in known]
@@ -681,7 +695,8 @@ class KVGuardWorker:
                     where={"device": str(self.pages.tensors[layer].device), "layers_bad": bad_layers},
                 )
             )
-        self._bad_loads = seen
+        self._not_reference |= seen
+        self._load_failed = seen
         if seen and self.config.mode != Mode.LOG:
             self._invalid |= seen
         self._load_blocks, self._load_bad = [], []
@@ -691,13 +706,29 @@ class KVGuardWorker:
         assert meta.sealed_identity is not None and self.pages is not None and self.table is not None
         if isinstance(self.table, DeviceDigestTable):
             return
-        if self.loads is None:
-            self.loads = LoadDigests(self.pages.num_layers, self.config.load_digests_bytes)
+        loads = self._load_digests()
         blocks, fingerprints = meta.sealed_identity
         sealed = self.table.sealed[blocks]
-        if self._bad_loads:
-            sealed &= ~np.isin(blocks, list(self._bad_loads))
-        self.loads.remember(fingerprints[sealed], self.table.digests[blocks[sealed]])
+        if self._not_reference:
+            sealed &= ~np.isin(blocks, list(self._not_reference))
+        digests = self.table.digests[blocks[sealed]]
+        loads.remember(fingerprints[sealed], digests)
+        if self.store is not None:
+            self.store.publish(fingerprints[sealed], digests)
+
+    def _load_digests(self) -> LoadDigests:
+        """The digest store by page identity, and the shared folder, made on first use."""
+        assert self.pages is not None
+        if self.loads is None:
+            self.loads = LoadDigests(self.pages.num_layers, self.config.load_digests_bytes)
+            if self.config.digest_dir:
+                # Only the same shard of the same layout is comparable.
+                pages = self.pages
+                layout = f"L{pages.num_layers}-B{pages.bytes_per_block}-{self.config.hash}-rank{self.rank}"
+                self.store = DigestFolder(
+                    self.config.digest_dir, layout, self.pages.num_layers, self.config.digest_dir_bytes
+                )
+        return self.loads
 
     def _defer_rows(
         self,
@@ -1097,8 +1128,8 @@ class KVGuardWorker:
         if self.loads_left:  # layers whose hook did not run: checked now, after the forward
             self._check_loads(sorted(self.loads_left))
         seal = meta.plan.seal
-        if self._bad_loads:  # a bad load is never sealed; its readers recompute it
-            seal = [b for b in seal if b not in self._bad_loads]
+        if self._load_failed:  # a bad load is never sealed; its readers recompute it
+            seal = [b for b in seal if b not in self._load_failed]
         # After the forward: the pages whose last slot was written this step are final.
         at_rest, filling = [], []
         for injection in meta.inject:
