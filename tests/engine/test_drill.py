@@ -121,6 +121,35 @@ def test_drill_covers_unfilled_pages_lost_writes_and_page_identity(tiny_model: s
     assert report["silently_wrong"] == 0 and report["ok"] is True and report["internal_errors"] == 0
 
 
+def test_drill_corrupts_pages_another_connector_loads_and_they_are_caught(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """``load``: the drill runs beside vLLM's ExampleConnector (prefix caching off: every repeated
+    prefix is loaded from its store); a loaded page is reversed after it lands. Each is caught at
+    load, before attention reads it, and its reader recomputes: every output equals the clean run."""
+    proc = _run(
+        [
+            "drill",
+            "--model",
+            tiny_model,
+            "--json",
+            "--workdir",
+            str(tmp_path),
+            "--inject",
+            "load:count=2,seed=3",
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    row = report["by_kind"]["load"]
+    assert row["injected"] == 2 and row["read"] == row["detected"] == row["diagnosed"] == 2, report["faults"]
+    assert row["escaped"] == 0 and report["quarantined"] == 0
+    assert report["actions"] == {"recomputed": 2} and report["requests_healed"] >= 1
+    assert report["outputs_identical"] == report["requests"] and report["ok"] is True
+    found = [line for line in read_log(tmp_path / "kvguard.jsonl") if line["event"] == "kv_block_corrupted"]
+    assert {(line["trigger"], line["connector"]) for line in found} == {("external_load", "ExampleConnector")}
+
+
 def test_fault_in_a_page_never_read_is_not_read_not_detected(tiny_model: str, tmp_path: Path) -> None:
     # 4 requests over 4 prefixes: no prefix is used twice, so no page is ever reused.
     proc = _run(

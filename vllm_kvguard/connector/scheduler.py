@@ -607,6 +607,11 @@ class KVGuardScheduler:
             checked = np.unique(plan.written_blocks[meta.lost_write_rows]).tolist()
             first = [b for b in checked if b in given]
             meta.inject = self.faults.inject(plan.step, first, self._num_layers, FaultSite.FORWARD)
+        if meta.loaded is not None and not meta.inject:
+            # A page another connector loads this step, corrupted after it lands (worker).
+            meta.inject = self.faults.inject(
+                plan.step, meta.loaded[0].tolist(), self._num_layers, FaultSite.LOAD
+            )
         if candidates and not meta.inject:
             known = [b for b in candidates if self.ledger.fingerprint[b]]
             due = self.faults.inject(plan.step, known, 1, FaultSite.CACHE)

@@ -631,6 +631,7 @@ class KVGuardWorker:
         blocks, fingerprints = meta.loaded
         if isinstance(self.table, DeviceDigestTable):
             self.counters.add("pages_loaded", len(blocks), label="no")
+            self._load_faults_unchecked(meta)
             return
         loads = self._load_digests()
         expected = loads.expected(fingerprints)
@@ -645,6 +646,7 @@ class KVGuardWorker:
             # in other engines): nothing says these bytes are what their inputs compute.
             self._not_reference |= {int(b) for i, b in enumerate(blocks.tolist()) if expected[i] is None}
         if not known:
+            self._load_faults_unchecked(meta)
             return
         self._load_blocks = [int(blocks[i]) for i in known]
         self._load_expected = np.stack([expected[i] for i in known])  # type: ignore[misc]
@@ -658,6 +660,7 @@ class KVGuardWorker:
         blocks = self._load_blocks
         for layer in layers:
             self.loads_left.discard(layer)
+            self._inject_loads(layer)
             actual = self.pages.digest_layer(layer, blocks)
             expected = self._load_expected[:, layer].tolist()
             for i, (want, got) in enumerate(zip(expected, actual, strict=True)):
@@ -665,6 +668,32 @@ class KVGuardWorker:
                     self._load_bad.append((blocks[i], layer, want, got))
         if not self.loads_left:
             self._finish_loads()
+
+    def _load_faults_unchecked(self, meta: KVGuardMetadata) -> None:
+        """Drill: ``load`` faults on a step whose loads cannot be checked here change nothing."""
+        for injection in meta.inject:
+            if injection.at == FaultSite.LOAD:
+                self._worker_meta().unchanged_faults.append(injection.fault_id)
+
+    def _inject_loads(self, layer: int) -> None:
+        """Drill: a ``load`` fault corrupts its page in this layer after the load landed, just
+        before the check (the page reversed in its last axis, as KV restored permuted)."""
+        meta = self._meta
+        if meta is None or not meta.inject:
+            return
+        assert self.pages is not None
+        for injection in meta.inject:
+            if injection.at != FaultSite.LOAD or injection.layer % self.pages.num_layers != layer:
+                continue
+            if injection.rank is not None and injection.rank != self.rank:
+                continue
+            page = self.pages.page(injection.block_id, layer)
+            before = self.pages.digest_layer(layer, [injection.block_id])
+            page.copy_(page.flip(-1))
+            changed = self.pages.digest_layer(layer, [injection.block_id]) != before
+            if not changed or injection.block_id not in self._load_blocks:
+                # Unchanged, or a page that could not be checked (no digest for it here).
+                self._worker_meta().unchanged_faults.append(injection.fault_id)
 
     def _finish_loads(self) -> None:
         """Every layer of the step's loaded pages checked: report each bad page once (its first

@@ -9,6 +9,7 @@ A spec is one or more faults separated by ``;``, each ``KIND[:key=value,...]``::
     partial:count=2                 bits flipped in the written slots of pages still being written
     lost_write:count=1              a forward's writes into a reused page made not to land
     identity:count=1                two cached pages swap their prefix-cache hashes
+    load:count=2                    a page another KV connector loaded, restored reversed
 
 Kinds mirror what corrupts KV caches in the field (shared field notes): memory
 bit flips (``bitflip``), block theft or a misdirected write (``overwrite``), a
@@ -16,7 +17,9 @@ page wiped (``zero``) and garbage from a bad kernel (``nan``) land in pages that
 are sealed, after their seal, i.e. "at rest" (``nan`` also at write). Three more
 reach what full-page checksums cannot see, each at its own site: a page still being
 written (``partial``), a write that never landed, leaving the previous owner's rows
-(``lost_write``), and a valid page served for another prompt's tokens, as a block-hash
+(``lost_write``), a page another KV connector loaded wrongly (``load``: its bytes reversed
+in their last axis after they landed, as KV restored permuted), and a valid page served for
+another prompt's tokens, as a block-hash
 bug or collision does (``identity``).
 """
 
@@ -39,13 +42,14 @@ class FaultKind(StrEnum):
     PARTIAL = "partial"
     LOST_WRITE = "lost_write"
     IDENTITY = "identity"
+    LOAD = "load"
 
 
 _KEYS = {"count", "rate", "seed", "after", "layer", "at", "rank"}
 _GRAMMAR = (
     "KIND[:key=value,...] joined by ';', KIND one of bitflip | overwrite | zero | nan | partial | "
-    "lost_write | identity, keys count=N (>=1) or rate=P (0<P<=1), seed=N, after=STEP (>=0), "
-    "layer=INDEX (>=0), at=rest|write (write: nan only; partial, lost_write and identity have "
+    "lost_write | identity | load, keys count=N (>=1) or rate=P (0<P<=1), seed=N, after=STEP (>=0), "
+    "layer=INDEX (>=0), at=rest|write (write: nan only; partial, lost_write, identity and load have "
     "their own site), rank=WORKER (>=0; default: every worker)"
 )
 
@@ -56,6 +60,7 @@ class FaultSite(StrEnum):
     FILLING = "filling"  # a page still being written, after this step wrote it (partial)
     FORWARD = "forward"  # this step's writes into a page handed to a new owner (lost_write)
     CACHE = "cache"  # the prefix cache's hashes of two idle pages (identity)
+    LOAD = "load"  # a page another KV connector loaded, after it landed, before its check (load)
 
 
 # The kinds with a site of their own.
@@ -63,6 +68,7 @@ SITE_OF = {
     FaultKind.PARTIAL: FaultSite.FILLING,
     FaultKind.LOST_WRITE: FaultSite.FORWARD,
     FaultKind.IDENTITY: FaultSite.CACHE,
+    FaultKind.LOAD: FaultSite.LOAD,
 }
 
 
@@ -223,7 +229,7 @@ class Injection:
 
 
 # Sites whose fault is read in the step it is injected (by the check after that forward).
-_READ_AT_ONCE = (FaultSite.WRITE, FaultSite.FORWARD)
+_READ_AT_ONCE = (FaultSite.WRITE, FaultSite.FORWARD, FaultSite.LOAD)
 
 
 class FaultTracker:

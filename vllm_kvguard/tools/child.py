@@ -22,7 +22,7 @@ def drill_workload(args: dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
 
     workload = Workload(**args["workload"])
-    llm = LLM(model=args["model"], **drill.ENGINE_ARGS)
+    llm = LLM(model=args["model"], **{**drill.ENGINE_ARGS, **args.get("engine_args", {})})
     params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens)
     # Per request: the text, None if it ended with an error, and whether the guard flagged it.
     texts: list[tuple[str | None, bool]] = []

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from vllm_kvguard.config import Mode
-from vllm_kvguard.core.faults import parse_fault_spec
+from vllm_kvguard.core.faults import FaultKind, parse_fault_spec
 from vllm_kvguard.core.shapes import EXPECTED
 from vllm_kvguard.tools.childrun import Progress, WorkFolder, check_model, engine_env, prepare, run_child
 from vllm_kvguard.tools.workload import Workload
@@ -31,7 +31,11 @@ DEFAULT_SPEC = (
     "identity:count=1,seed=18"
 )
 # What each kind should be diagnosed as: the shape of the change, or the finding itself.
-EXPECTED_FINDING = {**{kind: str(shape) for kind, shape in EXPECTED.items()}, "identity": "identity_mismatch"}
+EXPECTED_FINDING = {
+    **{kind: str(shape) for kind, shape in EXPECTED.items()},
+    "identity": "identity_mismatch",
+    "load": "external_load",
+}
 ENGINE_ARGS: dict[str, Any] = {
     "dtype": "bfloat16",
     "enforce_eager": True,
@@ -107,6 +111,22 @@ class DrillReport:
         return out
 
 
+def loading_args(store: Path, loads: bool) -> dict[str, Any]:
+    """Engine arguments for a drill with ``load`` faults: vLLM's ExampleConnector beside the
+    guard (it saves each prompt's KV to ``store`` and loads it back), prefix caching off so that
+    every repeated prefix is loaded rather than hit in the local cache. Empty otherwise."""
+    if not loads:
+        return {}
+    return {
+        "enable_prefix_caching": False,
+        "kv_transfer_config": {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(store)},
+        },
+    }
+
+
 def spec_summary(spec: str) -> str:
     """A fault spec in a few words for the progress line (the whole spec is in the report's
     JSON and the guard's log): ``bitflip x3, zero, partial at a rate`` ..."""
@@ -160,7 +180,9 @@ def summarize(
         elif event == "kv_block_corrupted" and line.get("role") == "scheduler":
             report.corrupted_blocks += 1
             shape = line.get("shape", "undiagnosed")
-            if shape != "undiagnosed":  # the device path's shape comes in kv_block_diagnosed
+            if line.get("trigger") == "external_load":  # a bad load: found as such, not shaped
+                shapes_of.setdefault(line.get("block_id", -1), []).append((_ts(line), "external_load"))
+            elif shape != "undiagnosed":  # the device path's shape comes in kv_block_diagnosed
                 report.shapes[shape] = report.shapes.get(shape, 0) + 1
                 shapes_of.setdefault(line.get("block_id", -1), []).append((_ts(line), shape))
             action = str(line.get("action", "not recorded"))
@@ -308,11 +330,16 @@ def _drill(
     per_prefix = max(2, requests // 4)
     workload = asdict(Workload(prefixes=4, per_prefix=per_prefix))
     base = {"model": model, "workload": workload}
+    loads = any(f.kind == FaultKind.LOAD for f in parse_fault_spec(spec))
     reference = show.run(
         "[2/3] clean run (plain vLLM, guard off)",
         lambda: run_child(
             "drill",
-            {**base, "out": str(work / "reference.json")},
+            {
+                **base,
+                "out": str(work / "reference.json"),
+                "engine_args": loading_args(work / "store-clean", loads),
+            },
             engine_env({}),
             work / "reference.log",
         ),
@@ -331,7 +358,16 @@ def _drill(
     )
     outputs = show.run(
         f"[3/3] guarded run with faults injected ({spec_summary(spec)})",
-        lambda: run_child("drill", {**base, "out": str(work / "guarded.json")}, env, work / "guarded.log"),
+        lambda: run_child(
+            "drill",
+            {
+                **base,
+                "out": str(work / "guarded.json"),
+                "engine_args": loading_args(work / "store-guarded", loads),
+            },
+            env,
+            work / "guarded.log",
+        ),
     )
     lines = [json.loads(line) for line in guard_log.read_text().splitlines() if line.strip()]
     clean = [text for text, _ in reference]

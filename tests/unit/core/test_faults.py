@@ -134,3 +134,18 @@ def test_an_identity_fault_is_read_through_either_page_once() -> None:
     tracker.verifying(2, [4])  # the other page in the same step: still one fault
     assert tracker.verified(2, {9}) == [(fault.fault_id, True)]
     assert tracker.allocated([4]) == [] and tracker.footprint() == 0
+
+
+def test_a_load_fault_has_its_own_site_and_is_read_where_it_is_injected() -> None:
+    from vllm_kvguard.core.faults import FaultSite, FaultTracker, parse_fault_spec
+
+    (spec,) = parse_fault_spec("load:count=1,seed=2")
+    assert spec.at == FaultSite.LOAD
+    with pytest.raises(KVGuardConfigError, match="load has its own site"):
+        parse_fault_spec("load:at=rest")
+    tracker = FaultTracker([spec])
+    assert tracker.inject(3, [7], 2, FaultSite.REST) == []  # not at rest
+    (injection,) = tracker.inject(3, [7], 2, FaultSite.LOAD)
+    assert injection.block_id == 7 and injection.at == FaultSite.LOAD
+    # Checked in the step that loads it: its verdict comes with that step's output.
+    assert tracker.verified(3, {7}) == [(injection.fault_id, True)]
