@@ -128,28 +128,52 @@ def test_pages_another_connector_loads_raise_no_false_alarm(
 # example connector's load return each saved tensor reversed in its last axis (head_dim).
 
 
+def _reversed(t: Any) -> Any:
+    return t.flip(-1).contiguous()
+
+
+def _heads_swapped(t: Any) -> Any:
+    """The first two heads traded (the example connector saves [tokens, heads, dim] a layer)."""
+    out = t.clone()
+    out[:, 0], out[:, 1] = t[:, 1], t[:, 0]
+    return out
+
+
+def _block_off(t: Any) -> Any:
+    """A transfer one page (32 tokens) off: each page gets the one before it, the first stays,
+    the last is lost."""
+    out = t.clone()
+    out[BLOCK:] = t[:-BLOCK]
+    return out
+
+
+TRANSFORMS = {"reversed": _reversed, "heads swapped": _heads_swapped, "one block off": _block_off}
+
+
 @contextlib.contextmanager
-def _loads_reversed(store: Path) -> Iterator[list[str]]:
+def _loads_reversed(store: Path, transform: Any = _reversed) -> Iterator[list[str]]:
     import safetensors.torch
 
     load_file = safetensors.torch.load_file
     loads: list[str] = []
 
-    def reversed_load(filename: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def wrong_load(filename: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         tensors = load_file(filename, *args, **kwargs)
         if str(filename).startswith(str(store)):
             loads.append(str(filename))
-            return {name: t.flip(-1).contiguous() for name, t in tensors.items()}
+            return {name: transform(t) for name, t in tensors.items()}
         return tensors
 
-    safetensors.torch.load_file = reversed_load
+    safetensors.torch.load_file = wrong_load
     try:
         yield loads
     finally:
         safetensors.torch.load_file = load_file
 
 
-def _bad_load_run(model: str, env: dict[str, str], store: Path) -> tuple[list[str], list[Any], float]:
+def _bad_load_run(
+    model: str, env: dict[str, str], store: Path, transform: Any = _reversed
+) -> tuple[list[str], list[Any], float]:
     """The prompts computed (and saved), then again with every load reversed: the first
     pass's texts, the second pass's outputs, and the pages checked at load."""
     with engine(
@@ -161,17 +185,35 @@ def _bad_load_run(model: str, env: dict[str, str], store: Path) -> tuple[list[st
         num_gpu_blocks_override=24,
     ) as llm:
         first = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy(16), use_tqdm=False)]
-        with _loads_reversed(store) as loads:
+        with _loads_reversed(store, transform) as loads:
             second = [o.outputs[0] for o in llm.generate(PROMPTS, greedy(16), use_tqdm=False)]
         assert len(loads) >= len(PROMPTS)  # every prompt's layers were loaded (wrongly)
         checked = metric(llm, "vllm:kvguard_pages_loaded", verified="yes")
     return first, second, checked
 
 
-def test_control_a_load_restored_reversed_changes_the_text(tiny_model: str, tmp_path: Path) -> None:
-    first, second, _ = _bad_load_run(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, tmp_path / "store")
-    assert [c.finish_reason for c in second] == ["length"] * len(PROMPTS)
+@pytest.mark.parametrize("wrong", list(TRANSFORMS))
+def test_control_a_load_restored_wrong_changes_the_text(tiny_model: str, tmp_path: Path, wrong: str) -> None:
+    first, second, _ = _bad_load_run(
+        tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, tmp_path / "store", TRANSFORMS[wrong]
+    )
+    # Served as usual (wrong KV can make a request stop early), with different text.
+    assert all(c.finish_reason in ("length", "stop") for c in second)
     assert [c.text for c in second] != first
+
+
+@pytest.mark.parametrize("wrong", ["heads swapped", "one block off"])
+def test_other_wrong_restores_are_caught_at_load_and_healed(
+    tiny_model: str, tmp_path: Path, wrong: str
+) -> None:
+    log = tmp_path / "guard.jsonl"
+    first, second, _ = _bad_load_run(
+        tiny_model, guard_env("quarantine", log, **INPROC), tmp_path / "store", TRANSFORMS[wrong]
+    )
+    found = events(log, "kv_block_corrupted")
+    assert found and {line["trigger"] for line in found} == {"external_load"}
+    assert set(affected_once(log).values()) == {"healed"}
+    assert [c.text for c in second] == first
 
 
 @pytest.mark.parametrize("mode", ["quarantine", "raise", "log"])
