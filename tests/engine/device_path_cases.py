@@ -10,6 +10,7 @@ cache: the same code a GPU worker runs, minus CUDA events and pinned copies.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -161,14 +162,21 @@ def test_scrub_pages_share_the_hits_launch_and_keep_their_trigger(tiny_model: st
         reference = _text(llm, PROMPT, 16)
         llm.collective_rpc(testing.flip_bit, args=(blocks[1], 0, 5, 3))
         core = llm.llm_engine
-        # Traffic for the scrubber to work in (it took 32 steps here on an idle machine; 60 was
-        # too few once under CI load), ended as soon as the page is caught.
-        core.add_request("other", " ".join(f"w{i}" for i in range(3, 43)), _greedy(400))
-        while core.has_unfinished_requests() and not events(log, "kv_block_corrupted"):
+        # Traffic for the scrubber to work in, until the page is caught (bounded in time). The
+        # scrubber earns its pages from wall-clock time (pages x elapsed / interval), so how many
+        # steps that takes depends on how fast steps run: one request was not always enough (it
+        # ends at its EOS after ~190 fast steps), so another starts whenever none is left.
+        other = " ".join(f"w{i}" for i in range(3, 43))  # shares no page with PROMPT
+        deadline = time.monotonic() + 300
+        started: list[str] = []
+        while not events(log, "kv_block_corrupted") and time.monotonic() < deadline:
+            if not core.has_unfinished_requests():
+                started.append(f"other-{len(started)}")
+                core.add_request(started[-1], other, _greedy(400))
             core.step()
         (line,) = events(log, "kv_block_corrupted")
         assert line["trigger"] == "scrub" and line["block_id"] == blocks[1] and line["request_ids"] == []
-        core.abort_request(["other"])
+        core.abort_request(started)
         while core.has_unfinished_requests():
             core.step()
         assert _text(llm, PROMPT, 16) == reference

@@ -6,6 +6,7 @@ tests drive it step by step and reach its scheduler to force a scheduler bug.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +68,17 @@ def test_scrubber_catches_an_idle_cached_page_before_reuse(tiny_model: str, tmp_
         reference = _text(llm, PROMPT, 16)
         llm.collective_rpc(testing.flip_bit, args=(blocks[1], 0, 5, 3))
 
-        # Unrelated traffic: the scrubber works inside its steps.
+        # Unrelated traffic: the scrubber works inside its steps. It earns its pages from
+        # wall-clock time, so how many steps that takes depends on how fast they run: another
+        # request starts whenever none is left, until the page is caught (bounded in time).
         core = llm.llm_engine
-        core.add_request("other", words(3, 40), _greedy(300))
-        steps = 0
-        while core.has_unfinished_requests() and not events(log, "kv_block_corrupted"):
+        deadline = time.monotonic() + 300
+        started: list[str] = []
+        while not events(log, "kv_block_corrupted") and time.monotonic() < deadline:
+            if not core.has_unfinished_requests():
+                started.append(f"other-{len(started)}")
+                core.add_request(started[-1], words(3, 40), _greedy(300))
             core.step()
-            steps += 1
         (line,) = events(log, "kv_block_corrupted")
         assert line["trigger"] == "scrub" and line["block_id"] == blocks[1]
         assert line["request_ids"] == [] and line["action"] == "quarantined_and_recomputed"
