@@ -661,11 +661,10 @@ class KVGuardWorker:
         for layer in layers:
             self.loads_left.discard(layer)
             self._inject_loads(layer)
-            actual = self.pages.digest_layer(layer, blocks)
-            expected = self._load_expected[:, layer].tolist()
-            for i, (want, got) in enumerate(zip(expected, actual, strict=True)):
-                if want != got:
-                    self._load_bad.append((blocks[i], layer, want, got))
+            actual = np.asarray(self.pages.digest_layer(layer, blocks), dtype=np.uint64)
+            expected = self._load_expected[:, layer]
+            for i in np.flatnonzero(actual != expected).tolist():
+                self._load_bad.append((blocks[i], layer, int(expected[i]), int(actual[i])))
         if not self.loads_left:
             self._finish_loads()
 
