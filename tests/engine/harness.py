@@ -67,6 +67,20 @@ def guard_env(mode: str, log_file: Path, **extra: str) -> dict[str, str]:
     }
 
 
+# What the guard reports when it finds something (its own start lines aside).
+FINDINGS = {
+    "kv_block_corrupted",
+    "kv_block_nonfinite",
+    "kv_block_identity_mismatch",
+    "kv_block_write_lost",
+    "kv_block_lifecycle_violation",
+    "kv_block_quarantined",
+    "kv_request_affected",
+    "kvguard_internal_error",
+    "kvguard_worker_internal_error",
+}
+
+
 def read_log(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.engine.harness import (
+    FINDINGS,
     affected_once,
     engine,
     events,
@@ -42,18 +43,6 @@ BLOCK = 32
 # pages are evicted, so their second pass loads them from the connector instead).
 PROMPTS = [words(17 + 40 * i, 4 * BLOCK + 2) for i in range(3)]
 FILLER = [words(211 + 40 * i, 4 * BLOCK + 2, step=11) for i in range(3)]
-# What the guard reports when it finds something (its own start and drill lines aside).
-FINDINGS = {
-    "kv_block_corrupted",
-    "kv_block_nonfinite",
-    "kv_block_identity_mismatch",
-    "kv_block_write_lost",
-    "kv_block_lifecycle_violation",
-    "kv_block_quarantined",
-    "kv_request_affected",
-    "kvguard_internal_error",
-    "kvguard_worker_internal_error",
-}
 
 
 def _connector(store: Path) -> dict[str, Any]:

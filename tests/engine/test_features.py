@@ -17,22 +17,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
-from tests.engine.harness import engine, greedy, guard_env, read_log
+from tests.engine.harness import FINDINGS, engine, greedy, guard_env, read_log
 
 pytestmark = pytest.mark.engine
 INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-# What the guard reports when it finds something (its own start lines aside).
-FINDINGS = {
-    "kv_block_corrupted",
-    "kv_block_nonfinite",
-    "kv_block_identity_mismatch",
-    "kv_block_write_lost",
-    "kv_block_lifecycle_violation",
-    "kv_block_quarantined",
-    "kv_request_affected",
-    "kvguard_internal_error",
-    "kvguard_worker_internal_error",
-}
 
 
 @pytest.fixture(scope="module")
