@@ -432,11 +432,13 @@ class KVGuardScheduler:
         the reader's own fingerprint for that position, before the forward that reads it."""
         for req_id, positions, blocks in plan.given_pages:
             self.ledger.record_owners(blocks, self.identity.owner_keys(req_id, positions))
-        keep: list[tuple[np.ndarray, np.ndarray]] = []
+        # Beside another connector only: the sealed pages' fingerprints, for the worker's store.
+        keep: list[tuple[np.ndarray, np.ndarray]] | None = [] if self.beside else None
         for req_id, positions, blocks in plan.sealed_pages:
             fingerprints = self.identity.fingerprints(req_id, positions)
             self.ledger.record_identity(req_id, blocks, fingerprints)
-            keep.append((blocks, fingerprints))
+            if keep is not None:
+                keep.append((blocks, fingerprints))
         given, sealed = plan.given_decodes, plan.sealed_decodes
         if given is not None:  # a decode batch's pages: one call each for all of them
             self.ledger.record_owners(
@@ -445,8 +447,9 @@ class KVGuardScheduler:
         if sealed is not None:
             fingerprints = self.identity.fingerprint_each(sealed.req_ids, sealed.positions)
             self.ledger.record_identity(sealed.req_ids, sealed.blocks, fingerprints)
-            keep.append((sealed.blocks, fingerprints))
-        if self.beside and keep:
+            if keep is not None:
+                keep.append((sealed.blocks, fingerprints))
+        if keep:
             # The worker keeps these pages' digests under what they hold, for later loads.
             meta.sealed_identity = (
                 np.concatenate([b for b, _ in keep]).astype(np.int64),
@@ -469,23 +472,24 @@ class KVGuardScheduler:
         Without a connector named beside the guard (configured by hand), they are counted as
         loaded unverified."""
         bs = self.block_size
-        blocks: list[np.ndarray] = []
-        fingerprints: list[np.ndarray] = []
-        for r in requests:
-            first, end = r.num_computed // bs, (r.num_computed + r.loaded) // bs
-            if not r.loaded or end <= first:
-                continue
-            positions = np.arange(first, end, dtype=np.int64)
-            pages = self.ledger.table(r.req_id)[first:end].astype(np.int64)
-            blocks.append(pages)
-            fingerprints.append(self.identity.fingerprints(r.req_id, positions))
-            for block in pages.tolist():
-                meta.load_readers.setdefault(block, []).append(r.req_id)
-        if not blocks:
+        spans = [
+            (r.req_id, r.num_computed // bs, (r.num_computed + r.loaded) // bs)
+            for r in requests
+            if r.loaded and (r.num_computed + r.loaded) // bs > r.num_computed // bs
+        ]
+        if not spans:
             return
         if not self.beside:
-            self.counters.add("pages_loaded", sum(len(b) for b in blocks), label="no")
+            self.counters.add("pages_loaded", sum(end - first for _, first, end in spans), label="no")
             return
+        blocks: list[np.ndarray] = []
+        fingerprints: list[np.ndarray] = []
+        for req_id, first, end in spans:
+            pages = self.ledger.table(req_id)[first:end].astype(np.int64)
+            blocks.append(pages)
+            fingerprints.append(self.identity.fingerprints(req_id, np.arange(first, end, dtype=np.int64)))
+            for block in pages.tolist():
+                meta.load_readers.setdefault(block, []).append(req_id)
         meta.loaded = (np.concatenate(blocks), np.concatenate(fingerprints).astype(np.uint64))
 
     def _handle_identity(
