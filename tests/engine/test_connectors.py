@@ -45,12 +45,25 @@ PROMPTS = [words(17 + 40 * i, 4 * BLOCK + 2) for i in range(3)]
 FILLER = [words(211 + 40 * i, 4 * BLOCK + 2, step=11) for i in range(3)]
 
 
-def _connector(store: Path) -> dict[str, Any]:
-    return {
+def _connector_engine(
+    model: str, env: dict[str, str], store: Path, prefix_caching: bool = False, role: str = "kv_both"
+) -> contextlib.AbstractContextManager[Any]:
+    """An engine with vLLM's ExampleConnector (saving to and loading from ``store``) beside the
+    guard, in a pool of 24 blocks, whole prompts in one step (the example connector saves a
+    prompt's pages as it is computed)."""
+    connector = {
         "kv_connector": "ExampleConnector",
-        "kv_role": "kv_both",
+        "kv_role": role,
         "kv_connector_extra_config": {"shared_storage_path": str(store)},
     }
+    return engine(
+        model,
+        env,
+        kv_transfer_config=connector,
+        enable_prefix_caching=prefix_caching,
+        max_num_batched_tokens=1024,
+        num_gpu_blocks_override=24,
+    )
 
 
 def _workload(llm: Any) -> list[str]:
@@ -64,15 +77,7 @@ def _workload(llm: Any) -> list[str]:
 
 
 def _run(model: str, env: dict[str, str], store: Path, prefix_caching: bool) -> tuple[list[str], float]:
-    with engine(
-        model,
-        env,
-        kv_transfer_config=_connector(store),
-        enable_prefix_caching=prefix_caching,
-        # Whole prompts in one step: the example connector saves a prompt's pages as it is computed.
-        max_num_batched_tokens=1024,
-        num_gpu_blocks_override=24,
-    ) as llm:
+    with _connector_engine(model, env, store, prefix_caching) as llm:
         texts = _workload(llm)
         loaded = metric(llm, "vllm:kvguard_pages_loaded", verified="yes")
         assert metric(llm, "vllm:kvguard_pages_loaded", verified="no") == 0
@@ -165,14 +170,7 @@ def _bad_load_run(
 ) -> tuple[list[str], list[Any], float]:
     """The prompts computed (and saved), then again with every load reversed: the first
     pass's texts, the second pass's outputs, and the pages checked at load."""
-    with engine(
-        model,
-        env,
-        kv_transfer_config=_connector(store),
-        enable_prefix_caching=False,
-        max_num_batched_tokens=1024,
-        num_gpu_blocks_override=24,
-    ) as llm:
+    with _connector_engine(model, env, store) as llm:
         first = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy(16), use_tqdm=False)]
         with _loads_reversed(store, transform) as loads:
             second = [o.outputs[0] for o in llm.generate(PROMPTS, greedy(16), use_tqdm=False)]
@@ -246,15 +244,7 @@ def test_a_load_restored_reversed_is_caught_before_attention_reads_it(
 def _role_run(
     model: str, env: dict[str, str], store: Path, role: str, reverse: bool = False
 ) -> tuple[list[Any], float, float]:
-    connector = {**_connector(store), "kv_role": role}
-    with engine(
-        model,
-        env,
-        kv_transfer_config=connector,
-        enable_prefix_caching=False,
-        max_num_batched_tokens=1024,
-        num_gpu_blocks_override=24,
-    ) as llm:
+    with _connector_engine(model, env, store, role=role) as llm:
         with _loads_reversed(store) if reverse else contextlib.nullcontext():
             outs = [o.outputs[0] for o in llm.generate(PROMPTS, greedy(16), use_tqdm=False)]
         checked = metric(llm, "vllm:kvguard_pages_loaded", verified="yes")

@@ -23,6 +23,11 @@ pytestmark = pytest.mark.engine
 INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+def _findings(lines: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """What the guard reported finding, from its log lines (empty on a clean run)."""
+    return [(line["event"], line.get("what")) for line in lines if line["event"] in FINDINGS]
+
+
 @pytest.fixture(scope="module")
 def sliding_model() -> str:
     from vllm_kvguard.tools.tinymodel import build_tiny_model
@@ -59,7 +64,7 @@ def test_sliding_window_pages_freed_while_running_raise_no_false_alarm(
     log = tmp_path / "guard.jsonl"
     texts = _sliding(sliding_model, guard_env("quarantine", log, **INPROC, VLLM_KVGUARD_VERIFY=verify))
     lines: list[dict[str, Any]] = read_log(log)
-    assert [(line["event"], line.get("what")) for line in lines if line["event"] in FINDINGS] == []
+    assert _findings(lines) == []
     assert texts == sliding_plain
     assert any(line["event"] == "kvguard_started" for line in lines)
 
@@ -124,7 +129,7 @@ def test_n_sampling_beam_search_aborts_and_cache_salt_raise_no_false_alarm(
     log = tmp_path / "guard.jsonl"
     texts = _run_requests(tiny_model, guard_env("quarantine", log, **INPROC, VLLM_KVGUARD_VERIFY=verify))
     lines = read_log(log)
-    assert [(line["event"], line.get("what")) for line in lines if line["event"] in FINDINGS] == []
+    assert _findings(lines) == []
     assert texts == requests_plain
     assert len(texts) == 6 + 3 + 2 + 3
 
@@ -254,8 +259,6 @@ def test_engine_features_raise_no_false_alarm(tiny_model: str, tmp_path: Path, f
         env = guard_env("quarantine", log, **INPROC, VLLM_KVGUARD_VERIFY=verify)
         texts = _run_feature(tiny_model, env, feature, tmp_path)
         lines = read_log(log)
-        assert [(line["event"], line.get("what")) for line in lines if line["event"] in FINDINGS] == [], (
-            verify
-        )
+        assert _findings(lines) == [], verify
         assert texts == plain, verify
         assert any(line["event"] == "kvguard_started" for line in lines)
