@@ -282,3 +282,67 @@ def test_rows_on_the_device_verified_by_paranoid_reads_heal_the_writer(
     assert first_reads and all("before_output" in stack and not stack & HOOKS for stack in first_reads)
     assert r["v"].outputs[0].text == r["clean_v"] and affected_once(log)["v"] == "healed"
     assert r["w"].outputs[0].text == r["clean_w"]
+
+
+# ------------------------------------------------------------- pages another connector loads
+# tests/engine/test_connectors.py's workloads (vLLM's ExampleConnector beside the guard) with the
+# seals on the device: the digests sealed there reach the load store through one copy per
+# sealing step, and a step's loaded pages are hashed in one launch after the forward and read
+# back with its output (connector/loaded.py).
+
+
+def test_loads_beside_a_connector_are_checked_on_the_device_without_a_false_alarm(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    from tests.engine.harness import FINDINGS, metric, read_log
+    from tests.engine.test_connectors import _connector_engine, _workload
+
+    with _connector_engine(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, tmp_path / "plain") as llm:
+        plain = _workload(llm)
+    log = tmp_path / "guard.jsonl"
+    with _connector_engine(
+        tiny_model, guard_env("quarantine", log, **KVG64, **INPROC), tmp_path / "s"
+    ) as llm:
+        assert _guard_type(llm)["table"] == "DeviceDigestTable"
+        texts = _workload(llm)
+        checked = metric(llm, "vllm:kvguard_pages_loaded", verified="yes")
+        unchecked = metric(llm, "vllm:kvguard_pages_loaded", verified="no")
+    assert [line["event"] for line in read_log(log) if line["event"] in FINDINGS] == []
+    assert texts == plain
+    # Every page of the second pass's prompts (4 full pages each, prefix caching off) was
+    # loaded by the example connector and checked against the digests sealed on the device.
+    assert checked >= 12 and unchecked == 0, (checked, unchecked)
+
+
+@pytest.mark.parametrize("mode", ["quarantine", "raise"])
+def test_a_load_restored_reversed_is_caught_on_the_device_in_the_same_step(
+    tiny_model: str, tmp_path: Path, mode: str, first_reads: list[set[str]]
+) -> None:
+    from types import SimpleNamespace
+
+    from tests.engine.harness import affected_once, honest
+    from tests.engine.test_connectors import PROMPTS, _bad_load_run
+
+    # Control: with the guard off the reversed restore changes the text.
+    first_off, second_off, _ = _bad_load_run(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, tmp_path / "off")
+    assert [c.text for c in second_off] != first_off
+    log = tmp_path / "guard.jsonl"
+    env = guard_env(mode, log, **KVG64, **INPROC)
+    first, second, checked = _bad_load_run(tiny_model, env, tmp_path / "store")
+    assert first == first_off and checked >= 4 * len(PROMPTS)
+    found = events(log, "kv_block_corrupted")
+    assert found and {line["trigger"] for line in found} == {"external_load"}
+    assert {line["connector"] for line in found} == {"ExampleConnector"}
+    assert {line["device"] for line in found} == {"cpu"}
+    assert not events(log, "kv_block_quarantined") and not events(log, "kv_block_diagnosed")
+    # The load checks were read back with the step's output, never by a hook of their step.
+    assert first_reads and all("before_output" in stack for stack in first_reads)
+    outcomes = affected_once(log)
+    assert set(outcomes.values()) == {"healed" if mode == "quarantine" else "failed"}
+    assert len(outcomes) == len(PROMPTS)
+    for out, clean in zip(second, first, strict=True):
+        assert honest(SimpleNamespace(outputs=[out]), clean)
+        if mode == "quarantine":
+            assert out.text == clean and out.finish_reason == "length"
+        else:
+            assert out.finish_reason == "error"

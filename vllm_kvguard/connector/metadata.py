@@ -101,6 +101,7 @@ class DeviceCheck(_Settles):
     report_invalid: bool
     # Per-block trigger where one launch served several purposes (hits and scrub pages).
     triggers: dict[int, str] | None = None
+    where: dict[str, object] | None = None
     error: str | None = None
     _detections: list[Detection] | None = field(default=None, repr=False)
 
@@ -124,6 +125,7 @@ class DeviceCheck(_Settles):
                         self.triggers.get(block, self.trigger) if self.triggers else self.trigger,
                         self.step,
                         self.kind,
+                        where=dict(self.where or {}),
                     )
                     for block, layer, flags, actual, expected in self.check.settle()
                     if flags & bit

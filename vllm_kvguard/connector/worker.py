@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch
 
 from vllm_kvguard.config import HashAlgorithm, KVGuardConfig, Mode, VerifyPolicy
 from vllm_kvguard.connector import patches
+from vllm_kvguard.connector.loaded import LoadedPages
 from vllm_kvguard.connector.metadata import (
     DeviceCheck,
     DeviceRowCheck,
@@ -37,7 +39,6 @@ from vllm_kvguard.core.faults import FaultKind, FaultSite, Injection
 from vllm_kvguard.core.shapes import Shape, classify
 from vllm_kvguard.digest import DeviceDigestTable, DigestTable, KVPages, PendingCheck, rowhash
 from vllm_kvguard.digest.kernel import RowGeometry, kernel_available
-from vllm_kvguard.digest.loads import LoadDigests
 from vllm_kvguard.digest.rows import (
     AxisRows,
     DeviceRowDigests,
@@ -47,7 +48,6 @@ from vllm_kvguard.digest.rows import (
     RowCheck,
     RowDigests,
 )
-from vllm_kvguard.digest.store import DigestFolder, DigestStore
 from vllm_kvguard.digest.syndrome import locate, page_words, syndromes
 from vllm_kvguard.logs import GuardLog
 
@@ -335,6 +335,9 @@ class WrittenRows:
         return order[at], ordered[at] == ids
 
 
+_NO_LAYERS: frozenset[int] = frozenset()
+
+
 class KVGuardWorker:
     def __init__(
         self, config: KVGuardConfig, num_blocks: int, rank: int, log: GuardLog, *, block_size: int = 0
@@ -375,21 +378,9 @@ class KVGuardWorker:
         # Device checks whose worker-side effect (forgetting bad seals) has not run yet;
         # the step's checks also travel in the worker metadata, settled with its output.
         self._unsettled: list[DeviceCheck | DeviceRowCheck] = []
-        # Beside another KV connector (digest/loads.py): digests by page identity, and this
-        # step's loaded pages still to check per layer (blocks, their digests as sealed here),
-        # with the mismatches found so far and the blocks found bad (not sealed this step).
-        self.loads: LoadDigests | None = None
-        # VLLM_KVGUARD_DIGEST_DIR: the digests this engine seals, published for other engines
-        # (a decode engine loading a prefill engine's pages), and theirs, fetched on a miss.
-        self.store: DigestStore | None = None
-        self.loads_left: set[int] = set()
-        self._load_blocks: list[int] = []
-        self._load_expected: np.ndarray = np.zeros((0, 0), dtype=np.uint64)
-        self._load_bad: list[tuple[int, int, int, int]] = []
-        # This step's loaded pages found bad (not sealed), and those plus the ones that could
-        # not be checked (sealed, but never kept as a reference digest).
-        self._load_failed: set[int] = set()
-        self._not_reference: set[int] = set()
+        # Beside another KV connector: reference digests by page identity, this step's loads
+        # (connector/loaded.py); made on the first step that loads or seals with identities.
+        self.loaded: LoadedPages | None = None
 
     def internal_error(self, where: str, exc: Exception) -> None:
         """A hook failed (fail-open): logged here, counted by the scheduler."""
@@ -556,7 +547,7 @@ class KVGuardWorker:
         self._meta = meta
         if self.table is None or meta is None:
             return
-        if self._unsettled:
+        if self._unsettled or (self.loaded is not None and self.loaded.copying):
             self._apply_settled(wait=False)
         plan = meta.plan
         if self.rows is not None:
@@ -598,9 +589,8 @@ class KVGuardWorker:
             if self.rows is not None:
                 self.rows.forget(meta.invalidate)
         self.reads_left = set()
-        self.loads_left = set()
-        self._not_reference = set()
-        self._load_failed = set()
+        if self.loaded is not None:
+            self.loaded.new_step()
         if meta.loaded is not None:
             self._begin_loads(meta)
         self._read_partial = plan.read_partial if self.rows is not None else []
@@ -623,140 +613,34 @@ class KVGuardWorker:
 
     # ------------------------------------------------------------- loaded pages
 
+    @property
+    def loads_left(self) -> AbstractSet[int]:
+        """Layers whose loaded pages this step has yet to check (host path; usually empty)."""
+        return self.loaded.left if self.loaded is not None else _NO_LAYERS
+
+    def _loaded_pages(self) -> LoadedPages:
+        assert self.pages is not None and self.table is not None
+        if self.loaded is None:
+            self.loaded = LoadedPages(
+                self.config, self.rank, self.pages, self.table, self.counters, self._worker_meta
+            )
+        return self.loaded
+
     def _begin_loads(self, meta: KVGuardMetadata) -> None:
-        """Pages another connector loads for this step: look up the digests sealed here for
-        each one's identity (host path); each layer is checked as it is about to be read
-        (:meth:`_check_loads`). Pages never sealed here are counted as loaded unverified."""
-        assert meta.loaded is not None and self.pages is not None
-        blocks, fingerprints = meta.loaded
-        if isinstance(self.table, DeviceDigestTable):
-            self.counters.add("pages_loaded", len(blocks), label="no")
-            self._load_faults_unchecked(meta)
-            return
-        loads = self._load_digests()
-        expected = loads.expected(fingerprints)
-        if self.store is not None and any(row is None for row in expected):
-            # Pages another engine computed: what it published since the last look.
-            loads.remember(*self.store.fetch())
-            expected = loads.expected(fingerprints)
-        known = [i for i, row in enumerate(expected) if row is not None]
-        if len(known) < len(blocks):
-            self.counters.add("pages_loaded", len(blocks) - len(known), label="no")
-            # Sealed as loaded, but never a reference for later loads (here or, published,
-            # in other engines): nothing says these bytes are what their inputs compute.
-            self._not_reference |= {int(b) for i, b in enumerate(blocks.tolist()) if expected[i] is None}
-        if not known:
-            self._load_faults_unchecked(meta)
-            return
-        self._load_blocks = [int(blocks[i]) for i in known]
-        self._load_expected = np.stack([expected[i] for i in known])  # type: ignore[misc]
-        self._load_bad = []
-        self.loads_left = set(self._every_layer)
+        """Pages another connector loads for this step (connector/loaded.py). The device path
+        first takes every digest sealed so far into the store (a wait only on steps with loads)."""
+        loaded = self._loaded_pages()
+        if loaded.on_device:
+            self._apply_settled(wait=True)
+        loaded.begin(meta)
 
     def _check_loads(self, layers: list[int]) -> None:
-        """Hash the loaded pages of ``layers`` (their load has landed: the connectors beside the
-        guard run their hooks for a layer before it) and compare with their digests."""
-        assert self.pages is not None
-        blocks = self._load_blocks
-        for layer in layers:
-            self.loads_left.discard(layer)
-            self._inject_loads(layer)
-            actual = np.asarray(self.pages.digest_layer(layer, blocks), dtype=np.uint64)
-            expected = self._load_expected[:, layer]
-            for i in np.flatnonzero(actual != expected).tolist():
-                self._load_bad.append((blocks[i], layer, int(expected[i]), int(actual[i])))
-        if not self.loads_left:
-            self._finish_loads()
-
-    def _load_faults_unchecked(self, meta: KVGuardMetadata) -> None:
-        """Drill: ``load`` faults on a step whose loads cannot be checked here change nothing."""
-        for injection in meta.inject:
-            if injection.at == FaultSite.LOAD:
-                self._worker_meta().unchanged_faults.append(injection.fault_id)
-
-    def _inject_loads(self, layer: int) -> None:
-        """Drill: a ``load`` fault corrupts its page in this layer after the load landed, just
-        before the check (the page reversed in its last axis, as KV restored permuted)."""
-        meta = self._meta
-        if meta is None or not meta.inject:
-            return
-        assert self.pages is not None
-        for injection in meta.inject:
-            if injection.at != FaultSite.LOAD or injection.layer % self.pages.num_layers != layer:
-                continue
-            if injection.rank is not None and injection.rank != self.rank:
-                continue
-            page = self.pages.page(injection.block_id, layer)
-            before = self.pages.digest_layer(layer, [injection.block_id])
-            page.copy_(page.flip(-1))
-            changed = self.pages.digest_layer(layer, [injection.block_id]) != before
-            if not changed or injection.block_id not in self._load_blocks:
-                # Unchanged, or a page that could not be checked (no digest for it here).
-                self._worker_meta().unchanged_faults.append(injection.fault_id)
-
-    def _finish_loads(self) -> None:
-        """Every layer of the step's loaded pages checked: report each bad page once (its first
-        bad layer), unreadable so that vLLM recomputes its readers (outside log mode)."""
-        assert self.pages is not None and self._meta is not None
-        meta = self._meta
-        self.counters.add("pages_loaded", len(self._load_blocks), label="yes")
-        self.counters.add("verified", len(self._load_blocks), label="external_load")
-        self.counters.add("bytes_hashed", len(self._load_blocks) * self.pages.bytes_per_block, label="verify")
-        out = self._worker_meta()
-        out.verified_steps.add(meta.step)
-        seen: set[int] = set()
-        for block, layer, want, got in self._load_bad:
-            if block in seen:
-                continue
-            seen.add(block)
-            bad_layers = sum(1 for b, *_ in self._load_bad if b == block)
-            out.detections.append(
-                Detection(
-                    self.rank,
-                    block,
-                    self.pages.names[layer],
-                    want,
-                    got,
-                    tuple(meta.load_readers.get(block, ())),
-                    "external_load",
-                    meta.step,
-                    where={"device": str(self.pages.tensors[layer].device), "layers_bad": bad_layers},
-                )
-            )
-        self._not_reference |= seen
-        self._load_failed = seen
-        if seen and self.config.mode != Mode.LOG:
-            self._invalid |= seen
-        self._load_blocks, self._load_bad = [], []
-
-    def _remember_sealed(self, meta: KVGuardMetadata) -> None:
-        """Keep the digests of the pages sealed this step under what they hold (host path)."""
-        assert meta.sealed_identity is not None and self.pages is not None and self.table is not None
-        if isinstance(self.table, DeviceDigestTable):
-            return
-        loads = self._load_digests()
-        blocks, fingerprints = meta.sealed_identity
-        sealed = self.table.sealed[blocks]
-        if self._not_reference:
-            sealed &= ~np.isin(blocks, list(self._not_reference))
-        digests = self.table.digests[blocks[sealed]]
-        loads.remember(fingerprints[sealed], digests)
-        if self.store is not None:
-            self.store.publish(fingerprints[sealed], digests)
-
-    def _load_digests(self) -> LoadDigests:
-        """The digest store by page identity, and the shared folder, made on first use."""
-        assert self.pages is not None
-        if self.loads is None:
-            self.loads = LoadDigests(self.pages.num_layers, self.config.load_digests_bytes)
-            if self.config.digest_dir:
-                # Only the same shard of the same layout is comparable.
-                pages = self.pages
-                layout = f"L{pages.num_layers}-B{pages.bytes_per_block}-{self.config.hash}-rank{self.rank}"
-                self.store = DigestFolder(
-                    self.config.digest_dir, layout, self.pages.num_layers, self.config.digest_dir_bytes
-                )
-        return self.loads
+        """Host path: the loaded pages of ``layers``; when all are checked, the bad ones are
+        reported unreadable (outside log mode) so that vLLM recomputes their readers."""
+        assert self.loaded is not None and self._meta is not None
+        bad = self.loaded.check(layers, self._meta)
+        if bad and self.config.mode != Mode.LOG:
+            self._invalid |= bad
 
     def _defer_rows(
         self,
@@ -787,14 +671,28 @@ class KVGuardWorker:
             self._unsettled.append(deferred)
 
     def _defer(
-        self, check: PendingCheck | None, trigger: str, step: int, readers: dict[int, list[str]], kind: str
+        self,
+        check: PendingCheck | None,
+        trigger: str,
+        step: int,
+        readers: dict[int, list[str]],
+        kind: str,
+        where: dict[str, object] | None = None,
     ) -> DeviceCheck | None:
         """Keep a device check for the step's output (see KVGuardWorkerMetadata.settle)."""
         if check is None:
             return None
         assert self.pages is not None
         deferred = DeviceCheck(
-            check, self.rank, self.pages.names, trigger, step, readers, kind, self.config.mode != Mode.LOG
+            check,
+            self.rank,
+            self.pages.names,
+            trigger,
+            step,
+            readers,
+            kind,
+            self.config.mode != Mode.LOG,
+            where=where,
         )
         self._worker_meta().pending.append(deferred)
         self._unsettled.append(deferred)
@@ -814,14 +712,27 @@ class KVGuardWorker:
             found = deferred.settle()
             if isinstance(deferred, DeviceRowCheck):
                 self._settled_rows(deferred, found)
+                if found and self.loaded is not None:
+                    self.loaded.drop({d.block_id for d in found})
                 continue
-            for d in found:
-                if d.kind == "checksum_mismatch":
-                    self._diagnose_late(d)
-            bad = deferred.invalid()
+            if deferred.trigger == "external_load":
+                # A bad load (the memory is fine, nothing to diagnose): its seal, taken this step
+                # over the loaded bytes, goes in every mode, as the host path never takes it.
+                bad = {d.block_id for d in found}
+                if self.loaded is not None:
+                    self.loaded.drop(bad)
+            else:
+                for d in found:
+                    if d.kind == "checksum_mismatch":
+                        self._diagnose_late(d)
+                bad = deferred.invalid()
             if bad:
                 self.table.forget(sorted(bad))
         self._unsettled = keep
+        if self.loaded is not None and self.loaded.on_device:
+            # The sealed digests no unread check can still find bad, into the load store.
+            before = min((d.step for d in keep), default=None)
+            self.loaded.settle(wait=wait, before=before)
 
     def _settled_rows(self, deferred: DeviceRowCheck, found: list[Detection]) -> None:
         """What :meth:`_row_findings` does at once on the host, for rows checked on the device:
@@ -1153,11 +1064,22 @@ class KVGuardWorker:
         if self.table is None or self.pages is None or meta is None:
             return
         self.finish_forward()
-        if self.loads_left:  # layers whose hook did not run: checked now, after the forward
-            self._check_loads(sorted(self.loads_left))
+        loaded = self.loaded
+        if loaded is not None and loaded.left:  # layers whose hook did not run: checked now
+            self._check_loads(sorted(loaded.left))
+        elif loaded is not None and loaded.on_device and loaded.blocks:
+            # Before the seal in stream order; read with the step's output (connector/loaded.py).
+            self._defer(
+                loaded.check_on_device(meta),
+                "external_load",
+                meta.step,
+                meta.load_readers,
+                "checksum_mismatch",
+                where={"device": str(self.pages.tensors[0].device)},
+            )
         seal = meta.plan.seal
-        if self._load_failed:  # a bad load is never sealed; its readers recompute it
-            seal = [b for b in seal if b not in self._load_failed]
+        if loaded is not None and loaded.failed:  # a bad load is never sealed; its readers recompute it
+            seal = [b for b in seal if b not in loaded.failed]
         # After the forward: the pages whose last slot was written this step are final.
         at_rest, filling = [], []
         for injection in meta.inject:
@@ -1199,7 +1121,7 @@ class KVGuardWorker:
             flags, facts = self.pages.seal_facts(seal, check_finite=self.config.nonfinite_mode is not None)
             self._seal_host(meta, seal, flags, facts, None)
         if meta.sealed_identity is not None:
-            self._remember_sealed(meta)
+            self._loaded_pages().remember(meta)
         for injection in at_rest:
             if not self._inject(injection):
                 self._worker_meta().unchanged_faults.append(injection.fault_id)
@@ -1489,7 +1411,7 @@ class KVGuardWorker:
             if self.table is not None and now - self._state_reported_at >= 1.0:
                 self._state_reported_at = now
                 rows = self.rows.nbytes() if self.rows is not None else 0
-                loads = self.loads.nbytes() if self.loads is not None else 0
+                loads = self.loaded.nbytes() if self.loaded is not None else 0
                 self.counters.set("state_bytes", self.table.nbytes() + rows + loads, label="worker")
         if start is not None or not self.counters.empty():  # (a step's counters hold its time: not empty)
             self._worker_meta().counters = self.counters.take()

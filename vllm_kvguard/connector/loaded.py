@@ -1,0 +1,294 @@
+"""Pages another KV connector loads into this engine (beside the guard under a MultiConnector).
+
+For every page sealed here, the worker keeps each layer's digest under the page's identity
+fingerprint (digest/loads.py, and the shared folder of digest/store.py). A page another
+connector loads is compared with the digests of its own identity:
+
+- **Host path** (digests computed on the host): layer by layer as vLLM calls
+  ``wait_for_layer_load`` (the other connectors' hooks for that layer ran first, so the layer
+  has landed and attention has not read it). A mismatch is known in the step and reported
+  unreadable at once; the page is not sealed.
+- **Device path** (KVG64 seals on the GPU): one launch over every loaded page and layer after the
+  forward (attention only reads the loaded pages, so their bytes are those it read), compared on
+  the device and read back with the step's output like the device path's other checks, so the
+  bad block still reaches vLLM's recompute in the same step. The digests sealed on the device
+  reach the host store through one non-blocking copy per sealing step, read at a later bind
+  (a step with loads waits for the previous steps' copies: the only wait loads add).
+
+Pages whose identity has no digest here are counted as loaded unverified, sealed as loaded,
+and never kept or published as a reference (nothing says their bytes are what their inputs
+compute).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_kvguard.config import KVGuardConfig
+from vllm_kvguard.connector.metadata import KVGuardMetadata, KVGuardWorkerMetadata
+from vllm_kvguard.core.counters import GuardCounters
+from vllm_kvguard.core.events import Detection
+from vllm_kvguard.core.faults import FaultSite
+from vllm_kvguard.digest.checks import PendingCheck
+from vllm_kvguard.digest.kernel import MISMATCH
+from vllm_kvguard.digest.loads import LoadDigests
+from vllm_kvguard.digest.pages import KVPages
+from vllm_kvguard.digest.store import DigestFolder, DigestStore
+from vllm_kvguard.digest.table import DeviceDigestTable, DigestTable
+
+
+@dataclass
+class _SealedOnDevice:
+    """A step's sealed pages' digests on their way from the device table to the host."""
+
+    step: int
+    blocks: np.ndarray
+    fingerprints: np.ndarray
+    digests: torch.Tensor  # int64 (pages, layers): pinned host memory on a GPU
+    event: Any  # the copy's CUDA event (None off CUDA)
+
+    def ready(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+
+class LoadedPages:
+    """The worker's view of loaded pages: reference digests kept, this step's loads checked."""
+
+    def __init__(
+        self,
+        config: KVGuardConfig,
+        rank: int,
+        pages: KVPages,
+        table: DigestTable,
+        counters: GuardCounters,
+        out: Callable[[], KVGuardWorkerMetadata],
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.pages = pages
+        self.table = table
+        self.counters = counters
+        self._out = out
+        self.on_device = isinstance(table, DeviceDigestTable)
+        self.digests = LoadDigests(pages.num_layers, config.load_digests_bytes)
+        # VLLM_KVGUARD_DIGEST_DIR: the digests this engine seals, published for other engines (a
+        # decode engine loading a prefill engine's pages), and theirs, fetched on a miss. Only the
+        # same shard of the same layout is comparable.
+        self.store: DigestStore | None = None
+        if config.digest_dir:
+            layout = f"L{pages.num_layers}-B{pages.bytes_per_block}-{config.hash}-rank{rank}"
+            self.store = DigestFolder(config.digest_dir, layout, pages.num_layers, config.digest_dir_bytes)
+        # This step: layers still to check (host path), the loaded pages with a digest and
+        # those digests, the mismatches found so far, the pages found bad (never sealed), and
+        # the pages never to keep as a reference (bad, or loaded without a digest).
+        self.left: set[int] = set()
+        self.blocks: list[int] = []
+        self.expected: np.ndarray = np.zeros((0, 0), dtype=np.uint64)
+        self._bad: list[tuple[int, int, int, int]] = []
+        self.failed: set[int] = set()
+        self.not_reference: set[int] = set()
+        # Device path: the sealing steps' digests not yet in the host store.
+        self._sealed: list[_SealedOnDevice] = []
+
+    def nbytes(self) -> int:
+        return self.digests.nbytes()
+
+    @property
+    def copying(self) -> bool:
+        """Device path: sealed digests still on their way to the store."""
+        return bool(self._sealed)
+
+    def new_step(self) -> None:
+        self.left = set()
+        self.blocks = []
+        self._bad = []
+        self.failed = set()
+        self.not_reference = set()
+
+    # ------------------------------------------------------------- before the forward
+
+    def begin(self, meta: KVGuardMetadata) -> None:
+        """Look up the digests of this step's loaded pages (``meta.loaded``): on the host path
+        each layer is then checked as it is about to be read (:meth:`check`); on the device path
+        all at once after the forward (:meth:`check_on_device`)."""
+        assert meta.loaded is not None
+        blocks, fingerprints = meta.loaded
+        expected = self.digests.expected(fingerprints)
+        if self.store is not None and any(row is None for row in expected):
+            # Pages another engine computed: what it published since the last look.
+            self.digests.remember(*self.store.fetch())
+            expected = self.digests.expected(fingerprints)
+        known = [i for i, row in enumerate(expected) if row is not None]
+        if len(known) < len(blocks):
+            self.counters.add("pages_loaded", len(blocks) - len(known), label="no")
+            self.not_reference |= {int(b) for i, b in enumerate(blocks.tolist()) if expected[i] is None}
+        if not known:
+            self._faults_unchecked(meta)
+            return
+        self.blocks = [int(blocks[i]) for i in known]
+        self.expected = np.stack([expected[i] for i in known])  # type: ignore[misc]
+        if not self.on_device:
+            self.left = set(range(self.pages.num_layers))
+
+    # ------------------------------------------------------------- host path
+
+    def check(self, layers: list[int], meta: KVGuardMetadata) -> set[int] | None:
+        """Hash the loaded pages of ``layers`` and compare them with their digests. When the
+        last layer is done: the pages found bad (reported once each, see :meth:`_finish`)."""
+        blocks = self.blocks
+        for layer in layers:
+            self.left.discard(layer)
+            self._inject(layer, meta)
+            actual = np.asarray(self.pages.digest_layer(layer, blocks), dtype=np.uint64)
+            expected = self.expected[:, layer]
+            for i in np.flatnonzero(actual != expected).tolist():
+                self._bad.append((blocks[i], layer, int(expected[i]), int(actual[i])))
+        if self.left:
+            return None
+        return self._finish(meta)
+
+    def _finish(self, meta: KVGuardMetadata) -> set[int]:
+        """Every layer checked: one detection per bad page (its first bad layer)."""
+        self._count(meta)
+        out = self._out()
+        seen: set[int] = set()
+        for block, layer, want, got in self._bad:
+            if block in seen:
+                continue
+            seen.add(block)
+            bad_layers = sum(1 for b, *_ in self._bad if b == block)
+            out.detections.append(
+                Detection(
+                    self.rank,
+                    block,
+                    self.pages.names[layer],
+                    want,
+                    got,
+                    tuple(meta.load_readers.get(block, ())),
+                    "external_load",
+                    meta.step,
+                    where={"device": str(self.pages.tensors[layer].device), "layers_bad": bad_layers},
+                )
+            )
+        self.not_reference |= seen
+        self.failed = seen
+        self.blocks, self._bad = [], []
+        return seen
+
+    def _count(self, meta: KVGuardMetadata) -> None:
+        n = len(self.blocks)
+        self.counters.add("pages_loaded", n, label="yes")
+        self.counters.add("verified", n, label="external_load")
+        self.counters.add("bytes_hashed", n * self.pages.bytes_per_block, label="verify")
+        self._out().verified_steps.add(meta.step)
+
+    # ------------------------------------------------------------- device path
+
+    def check_on_device(self, meta: KVGuardMetadata) -> PendingCheck | None:
+        """After the forward: every loaded page and layer in one launch, compared on the device
+        with the digests kept for it; nothing waits (the worker defers the result)."""
+        if not self.blocks:
+            return None
+        assert isinstance(self.table, DeviceDigestTable) and self.pages.geometry is not None
+        for layer in range(self.pages.num_layers):
+            self._inject(layer, meta)
+        self._count(meta)
+        device = self.pages.geometry.device
+        ids = torch.from_numpy(np.asarray(self.blocks, dtype=np.int64))
+        want = torch.from_numpy(np.ascontiguousarray(self.expected).view(np.int64))
+        if device.type == "cuda":
+            ids = ids.pin_memory().to(device, non_blocking=True)
+            want = want.pin_memory().to(device, non_blocking=True)
+        actual, _ = self.pages.geometry.launch(ids, table=None)
+        flags = (actual.view(torch.int64) != want).to(torch.int8) * MISMATCH
+        blocks, self.blocks = self.blocks, []
+        return PendingCheck(blocks, flags, actual, want.view(torch.uint64))
+
+    # ------------------------------------------------------------- after the seal
+
+    def remember(self, meta: KVGuardMetadata) -> None:
+        """Keep the digests of the pages sealed this step under what they hold (on the device
+        path: a copy started now, taken into the store by :meth:`settle`)."""
+        assert meta.sealed_identity is not None
+        blocks, fingerprints = meta.sealed_identity
+        sealed = self.table.sealed[blocks]
+        if self.not_reference:
+            sealed &= ~np.isin(blocks, list(self.not_reference))
+        blocks, fingerprints = blocks[sealed], fingerprints[sealed]
+        if not len(blocks):
+            return
+        if not isinstance(self.table, DeviceDigestTable):
+            digests = self.table.digests[blocks]
+            self._keep(fingerprints, digests)
+            return
+        table = self.table.device_digests.view(torch.int64)
+        ids = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.int64))
+        event = None
+        if table.device.type == "cuda":
+            ids = ids.pin_memory().to(table.device, non_blocking=True)
+            gathered = table.index_select(0, ids)
+            host = torch.empty(gathered.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(gathered, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = table.index_select(0, ids)
+        self._sealed.append(_SealedOnDevice(meta.step, blocks, fingerprints, host, event))
+
+    def _keep(self, fingerprints: np.ndarray, digests: np.ndarray) -> None:
+        self.digests.remember(fingerprints, digests)
+        if self.store is not None:
+            self.store.publish(fingerprints, digests)
+
+    def drop(self, blocks: set[int]) -> None:
+        """Device path: pages a settled check found bad since they were sealed (a bad load, rows
+        that changed before the seal) are never kept as a reference."""
+        for sealed in self._sealed:
+            keep = ~np.isin(sealed.blocks, list(blocks))
+            if not keep.all():
+                sealed.blocks, sealed.fingerprints = sealed.blocks[keep], sealed.fingerprints[keep]
+                sealed.digests = sealed.digests[torch.from_numpy(keep)]
+
+    def settle(self, *, wait: bool, before: int | None) -> None:
+        """Device path: take the sealed digests whose copy has landed (all of them, waiting, with
+        ``wait``) into the store, in step order, but only steps older than ``before`` (the oldest
+        step with a check still unread: it may yet find one of them bad)."""
+        while self._sealed:
+            sealed = self._sealed[0]
+            if before is not None and sealed.step >= before:
+                return
+            if not wait and not sealed.ready():
+                return
+            if sealed.event is not None:
+                sealed.event.synchronize()
+            self._sealed.pop(0)
+            self._keep(sealed.fingerprints, sealed.digests.numpy().view(np.uint64))
+
+    # ------------------------------------------------------------- drills
+
+    def _faults_unchecked(self, meta: KVGuardMetadata) -> None:
+        """Drill: ``load`` faults on a step whose loads cannot be checked here change nothing."""
+        for injection in meta.inject:
+            if injection.at == FaultSite.LOAD:
+                self._out().unchanged_faults.append(injection.fault_id)
+
+    def _inject(self, layer: int, meta: KVGuardMetadata) -> None:
+        """Drill: a ``load`` fault corrupts its page in this layer after the load landed, just
+        before the check (the page reversed in its last axis, as KV restored permuted)."""
+        for injection in meta.inject:
+            if injection.at != FaultSite.LOAD or injection.layer % self.pages.num_layers != layer:
+                continue
+            if injection.rank is not None and injection.rank != self.rank:
+                continue
+            page = self.pages.page(injection.block_id, layer)
+            before = self.pages.digest_layer(layer, [injection.block_id])
+            page.copy_(page.flip(-1))
+            changed = self.pages.digest_layer(layer, [injection.block_id]) != before
+            if not changed or injection.block_id not in self.blocks:
+                # Unchanged, or a page that could not be checked (no digest for it here).
+                self._out().unchanged_faults.append(injection.fault_id)
