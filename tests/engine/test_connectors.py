@@ -199,6 +199,14 @@ def test_other_wrong_restores_are_caught_at_load_and_healed(
     )
     found = events(log, "kv_block_corrupted")
     assert found and {line["trigger"] for line in found} == {"external_load"}
+    if wrong == "one block off":
+        # Each page but the first holds what the page before it should: a copy, and of which.
+        copies = [line for line in found if line["shape"] == "copy_of_block"]
+        assert copies and all(line["where"]["source_block"] != line["block_id"] for line in copies)
+    else:
+        # Two heads traded: nothing of the page as computed is kept but its digests.
+        assert {line["shape"] for line in found} == {"undiagnosed"}
+        assert all("no syndrome" in line["where"]["why"] for line in found)
     assert set(affected_once(log).values()) == {"healed"}
     assert [c.text for c in second] == first
 

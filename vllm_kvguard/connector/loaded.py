@@ -34,6 +34,7 @@ from vllm_kvguard.connector.metadata import KVGuardMetadata, KVGuardWorkerMetada
 from vllm_kvguard.core.counters import GuardCounters
 from vllm_kvguard.core.events import Detection
 from vllm_kvguard.core.faults import FaultSite
+from vllm_kvguard.core.shapes import Shape
 from vllm_kvguard.digest.checks import PendingCheck
 from vllm_kvguard.digest.kernel import MISMATCH
 from vllm_kvguard.digest.loads import LoadDigests
@@ -92,8 +93,11 @@ class LoadedPages:
         self._bad: list[tuple[int, int, int, int]] = []
         self.failed: set[int] = set()
         self.not_reference: set[int] = set()
-        # Device path: the sealing steps' digests not yet in the host store.
+        # Device path: the sealing steps' digests not yet in the host store, and by step, the
+        # loaded pages checked on the device by the digest they should have, per layer (to tell a
+        # bad one that holds another's KV when its check is read).
         self._sealed: list[_SealedOnDevice] = []
+        self.checked_on_device: dict[int, list[dict[int, int]]] = {}
 
     def nbytes(self) -> int:
         return self.digests.nbytes()
@@ -162,6 +166,7 @@ class LoadedPages:
                 continue
             seen.add(block)
             bad_layers = sum(1 for b, *_ in self._bad if b == block)
+            shape, where = self.shape(block, layer, got, self._expected_of(layer))
             out.detections.append(
                 Detection(
                     self.rank,
@@ -172,13 +177,43 @@ class LoadedPages:
                     tuple(meta.load_readers.get(block, ())),
                     "external_load",
                     meta.step,
-                    where={"device": str(self.pages.tensors[layer].device), "layers_bad": bad_layers},
+                    shape=shape,
+                    where=where | {"layers_bad": bad_layers},
                 )
             )
         self.not_reference |= seen
         self.failed = seen
         self.blocks, self._bad = [], []
         return seen
+
+    def _expected_of(self, layer: int) -> dict[int, int]:
+        """This step's loaded pages by the digest each should have in ``layer``."""
+        return {int(d): b for b, d in zip(self.blocks, self.expected[:, layer].tolist(), strict=True)}
+
+    def shape(
+        self, block: int, layer: int, actual: int, loaded: dict[int, int]
+    ) -> tuple[str, dict[str, object]]:
+        """The shape of a bad load (core/shapes.py) from the page as loaded: zeroed, NaN/Inf, or
+        a copy of another page (what another page loaded this step should hold, as a transfer
+        one page off gives, or another sealed page here). Nothing of the page as computed is
+        kept but its digests (no syndrome), so a load that is none of these stays
+        ``undiagnosed`` (``where.why`` says so). The rare path: one page copied to the host."""
+        page = self.pages.host_page(block, layer)
+        where: dict[str, object] = {"device": str(self.pages.tensors[layer].device)}
+        source = loaded.get(actual)
+        if source is None or source == block:
+            source = self.table.sealed_matching(layer, actual, block)
+        if source is not None:
+            where["source_block"] = source
+        raw = page.view(torch.uint8).reshape(-1)
+        if not bool(raw.any()):
+            return str(Shape.ZEROED), where
+        if source is not None:
+            return str(Shape.COPY_OF_BLOCK), where
+        if page.is_floating_point() and not bool(torch.isfinite(page).all()):
+            return str(Shape.NONFINITE), where
+        where["why"] = "a loaded page: only its digests are kept, no syndrome"
+        return str(Shape.UNDIAGNOSED), where
 
     def _count(self, meta: KVGuardMetadata) -> None:
         n = len(self.blocks)
@@ -206,6 +241,9 @@ class LoadedPages:
             want = want.pin_memory().to(device, non_blocking=True)
         actual, _ = self.pages.geometry.launch(ids, table=None)
         flags = (actual.view(torch.int64) != want).to(torch.int8) * MISMATCH
+        self.checked_on_device[meta.step] = [
+            self._expected_of(layer) for layer in range(self.pages.num_layers)
+        ]
         blocks, self.blocks = self.blocks, []
         return PendingCheck(blocks, flags, actual, want.view(torch.uint64))
 

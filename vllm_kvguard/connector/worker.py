@@ -716,11 +716,12 @@ class KVGuardWorker:
                     self.loaded.drop({d.block_id for d in found})
                 continue
             if deferred.trigger == "external_load":
-                # A bad load (the memory is fine, nothing to diagnose): its seal, taken this step
-                # over the loaded bytes, goes in every mode, as the host path never takes it.
+                # A bad load: its seal, taken this step over the loaded bytes, goes in every mode
+                # (the host path never takes it); its shape is reported as for other device checks.
                 bad = {d.block_id for d in found}
-                if self.loaded is not None:
-                    self.loaded.drop(bad)
+                assert self.loaded is not None
+                self.loaded.drop(bad)
+                self._diagnose_load(deferred.step, found)
             else:
                 for d in found:
                     if d.kind == "checksum_mismatch":
@@ -749,6 +750,24 @@ class KVGuardWorker:
                 self._tainted[d.block_id] = d.where
         if self.config.mode != Mode.LOG:
             self.rows.forget(blocks)
+
+    def _diagnose_load(self, step: int, found: list[Detection]) -> None:
+        """Device path: the shape of each bad load (its first bad layer), from the page as it is
+        now, before the next forward recomputes it (connector/loaded.py)."""
+        assert self.loaded is not None and self.pages is not None
+        loaded = self.loaded.checked_on_device.pop(step, None)
+        seen: set[int] = set()
+        for d in found:
+            if d.block_id in seen or loaded is None:
+                continue
+            seen.add(d.block_id)
+            layer = self.pages.names.index(d.layer)
+            shape, where = str(Shape.UNDIAGNOSED), {"device": str(self.pages.tensors[layer].device)}
+            try:
+                if int(self.pages.digest([d.block_id])[0, layer]) == d.actual:
+                    shape, where = self.loaded.shape(d.block_id, layer, d.actual, loaded[layer])
+            finally:
+                self._worker_meta().diagnosed.append(replace(d, readers=(), shape=shape, where=where))
 
     def _diagnose_late(self, d: Detection) -> None:
         assert self.pages is not None
