@@ -762,7 +762,8 @@ class KVGuardWorker:
                 continue
             seen.add(d.block_id)
             layer = self.pages.names.index(d.layer)
-            shape, where = str(Shape.UNDIAGNOSED), {"device": str(self.pages.tensors[layer].device)}
+            shape = str(Shape.UNDIAGNOSED)
+            where: dict[str, object] = {"device": str(self.pages.tensors[layer].device)}
             try:
                 if int(self.pages.digest([d.block_id])[0, layer]) == d.actual:
                     shape, where = self.loaded.shape(d.block_id, layer, d.actual, loaded[layer])
