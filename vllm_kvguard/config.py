@@ -88,6 +88,7 @@ class KVGuardConfig:
     suspect: SuspectAction = SuspectAction.FAIL
     repair: bool = True
     rows: bool = True
+    finish_check: bool = True
     hash: HashAlgorithm = HashAlgorithm.XXH3_64
     quarantine_max_fraction: float = 0.02
     load_digests_bytes: int = 16 << 20
@@ -286,6 +287,7 @@ _VARIABLES = {
     "_SUSPECT": ("suspect", lambda var, raw: _choice(var, raw, SuspectAction)),
     "_REPAIR": ("repair", _switch),
     "_ROWS": ("rows", _switch),
+    "_FINISH_CHECK": ("finish_check", _switch),
     "_HASH": ("hash", lambda var, raw: _choice(var, raw, HashAlgorithm)),
     "_QUARANTINE_MAX_FRACTION": ("quarantine_max_fraction", _fraction),
     "_LOAD_DIGESTS": ("load_digests_bytes", _bytes),

@@ -47,9 +47,9 @@ SERIES = (
         "KV blocks verified against their seal, by trigger (reuse: a prefix-cache hit; sampled, "
         "paranoid: pages running requests read; scrub: sealed pages walked in the background; "
         "external_load: pages another KV connector loaded, against the digests sealed here for "
-        "the same inputs).",
+        "the same inputs; finish: pages a finished request read, before its final output left).",
         "trigger",
-        ("reuse", "sampled", "paranoid", "scrub", "external_load"),
+        ("reuse", "sampled", "paranoid", "scrub", "external_load", "finish"),
     ),
     Series(
         "bytes_hashed",
@@ -140,10 +140,17 @@ SERIES = (
         "KV pages another KV connector (LMCache, NIXL, offloading, ...) loaded into this engine, "
         "by whether they were checked against the digests sealed here for the same inputs "
         "before attention read them (yes; a mismatch is a kv_block_corrupted, trigger "
-        "external_load) or not (no: never sealed here, evicted from VLLM_KVGUARD_LOAD_DIGESTS, "
-        "or the device path). Either way sealed as loaded and guarded from then on.",
+        "external_load) or not (no: never sealed here, or evicted from VLLM_KVGUARD_LOAD_DIGESTS). "
+        "Either way sealed as loaded and guarded from then on.",
         "verified",
         ("yes", "no"),
+    ),
+    Series(
+        "finish_held",
+        "vllm:kvguard_requests_held",
+        "counter",
+        "Finished requests whose final output the finish check held for one engine step (sampled "
+        "mode), until the pages they read since those were last verified were verified again.",
     ),
     Series(
         "repaired",

@@ -353,3 +353,26 @@ def test_a_load_restored_reversed_is_caught_on_the_device_in_the_same_step(
             assert out.text == clean and out.finish_reason == "length"
         else:
             assert out.finish_reason == "error"
+
+
+# ------------------------------------------------------------- the finish check
+# tests/engine/test_finish.py's workload (a shared prefix page scrambled three tokens before one
+# reader's end; the guard-off control there changes its text) with the seals on the device: the
+# held request's pages are verified in the next step's one launch, read back with its output.
+
+
+def test_the_finish_check_on_the_device_fails_the_request_that_ended(tiny_model: str, tmp_path: Path) -> None:
+    from tests.engine.harness import affected_once, honest
+    from tests.engine.test_finish import PROMPTS, SAMPLED, _run
+
+    log = tmp_path / "guard.jsonl"
+    env = guard_env("quarantine", log, **{**KVG64, **SAMPLED, "VLLM_KVGUARD_VERIFY": "sampled"}, **INPROC)
+    with engine(tiny_model, env, num_gpu_blocks_override=64) as llm:
+        assert _guard_type(llm)["table"] == "DeviceDigestTable"
+        r = _run(llm, guarded=True)
+    found = events(log, "kv_block_corrupted")
+    assert found and found[0]["block_id"] == r["block"] and found[0]["trigger"] == "finish"
+    assert affected_once(log)["ending"] == "failed"
+    assert r["finals"]["ending"].outputs[0].finish_reason == "error"
+    for name in PROMPTS:
+        assert honest(r["finals"][name], r["clean"][name]), name

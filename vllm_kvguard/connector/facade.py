@@ -171,7 +171,8 @@ class KVGuardConnector(KVConnectorBase_V1):
                 },
                 beside=[str(name) for name in extra.get(BESIDE_KEY, ())],
             )
-            patches.patch_scheduler()
+            if not patches.patch_scheduler():
+                self.scheduler.finish = None  # nothing could hold or put back a final output
             if not self.active:
                 log.line(
                     "kvguard_inactive",
@@ -250,6 +251,12 @@ class KVGuardConnector(KVConnectorBase_V1):
         assert self.worker is not None
         return self.worker.get_block_ids_with_load_errors()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose blocks the finish check kept: done once this step verified
+        their pages (connector/finish.py); vLLM then frees their blocks."""
+        assert self.worker is not None
+        return self.worker.take_released() or None, None
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert self.worker is not None
         return self.worker.build_connector_worker_meta()
@@ -326,9 +333,20 @@ class KVGuardConnector(KVConnectorBase_V1):
     @fail_open(_nothing_to_send)
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        if self.active:
-            self.scheduler.request_finished(request.request_id)
-        return False, None
+        if not self.active:
+            return False, None
+        status = getattr(getattr(request, "status", None), "name", "")
+        params = getattr(request, "sampling_params", None)
+        kind = getattr(getattr(params, "output_kind", None), "name", "")
+        hold = self.scheduler.request_finished(
+            request.request_id,
+            natural=status in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"),
+            client_index=int(getattr(request, "client_index", 0) or 0),
+            streaming=kind == "DELTA",
+            output_tokens=int(getattr(request, "num_output_tokens", 0) or 0),
+        )
+        # Held: vLLM keeps its blocks until the workers report it done (get_finished).
+        return hold, None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler is None:

@@ -60,6 +60,12 @@ class KVGuardMetadata(KVConnectorMetadata):
     sealed_identity: tuple[np.ndarray, np.ndarray] | None = None
     loaded: tuple[np.ndarray, np.ndarray] | None = None
     load_readers: dict[int, list[str]] = field(default_factory=dict)
+    # The finish check (connector/finish.py): pages finished requests read that were not verified
+    # since, their unfilled pages (by rows), verified before this step's forward; and those
+    # requests, reported done (get_finished) so that vLLM frees their blocks.
+    finish: list[int] = field(default_factory=list)
+    finish_filling: list[int] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)
 
     @property
     def step(self) -> int:
@@ -321,6 +327,16 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
             counters=counters.to_dict(),
             invalid=self.invalid | other.invalid,
         )
+
+
+def guard_meta(meta: object) -> KVGuardMetadata | None:
+    """The guard's step metadata in a scheduler output (itself, or a MultiConnector child's)."""
+    if isinstance(meta, KVGuardMetadata):
+        return meta
+    for child in getattr(meta, "metadata", None) or ():
+        if isinstance(child, KVGuardMetadata):
+            return child
+    return None
 
 
 def guard_worker_meta(meta: object) -> KVGuardWorkerMetadata | None:

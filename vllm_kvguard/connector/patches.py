@@ -101,8 +101,9 @@ def patch_engine_config(configure: Callable[[Any], None]) -> bool:
 # ------------------------------------------------------------ Scheduler.update_from_output
 
 
-def patch_scheduler() -> None:
-    """Wrap ``Scheduler.update_from_output`` (see the table above); called by the scheduler side."""
+def patch_scheduler() -> bool:
+    """Wrap ``Scheduler.update_from_output`` (see the table above); called by the scheduler side.
+    Returns whether it is wrapped."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     if not _wrap(Scheduler, "update_from_output", _make_update_from_output):
@@ -111,6 +112,8 @@ def patch_scheduler() -> None:
             "every finding but cannot end suspect requests or carry its message into outputs "
             "(connector/patches.py)"
         )
+        return False
+    return True
 
 
 def _make_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -156,6 +159,26 @@ def fail_requests(scheduler: Any, failures: dict[str, str], outputs: dict[int, A
                 stop_reason=failures[request.request_id],
             )
         )
+
+
+def error_output(request_id: str, message: str) -> Any:
+    """A finished request's final output replaced by the guard's error (no tokens: those it held
+    were computed from the data it is ended for)."""
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+
+    return EngineCoreOutput(
+        request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, stop_reason=message
+    )
+
+
+def add_output(outputs: dict[int, Any], client_index: int, output: Any) -> None:
+    """Add one request's output to a step's outputs (for its client, made if the step had none)."""
+    from vllm.v1.engine import EngineCoreOutputs
+
+    engine_outputs = outputs.get(client_index)
+    if engine_outputs is None:
+        engine_outputs = outputs[client_index] = EngineCoreOutputs(outputs=[])
+    engine_outputs.outputs.append(output)
 
 
 # ------------------------------------------------------------ fire drills: the prefix cache

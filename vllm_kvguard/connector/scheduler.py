@@ -23,7 +23,13 @@ import torch
 
 from vllm_kvguard.config import KVGuardConfig, Mode, VerifyPolicy
 from vllm_kvguard.connector import patches
-from vllm_kvguard.connector.metadata import KVGuardMetadata, KVGuardWorkerMetadata, guard_worker_meta
+from vllm_kvguard.connector.finish import FinishCheck, Held
+from vllm_kvguard.connector.metadata import (
+    KVGuardMetadata,
+    KVGuardWorkerMetadata,
+    guard_meta,
+    guard_worker_meta,
+)
 from vllm_kvguard.core import policy
 from vllm_kvguard.core.counters import GuardCounters
 from vllm_kvguard.core.events import (
@@ -295,6 +301,15 @@ class KVGuardScheduler:
         read_every = config.verify_every if config.verify == VerifyPolicy.SAMPLED else 1
         self.ledger = BlockLedger(num_blocks, block_size, read_every)
         self.ledger.still_held = self._still_held
+        # sampled: finished requests' final outputs held until the pages they read since those
+        # were last verified are verified again (connector/finish.py; None: not held). The step
+        # whose output vLLM is handling (update_from_output), -1 before the first.
+        self.finish: FinishCheck | None = (
+            FinishCheck(self.ledger, config.rows)
+            if config.verify == VerifyPolicy.SAMPLED and config.finish_check
+            else None
+        )
+        self._output_step = -1
         # Each live request's page fingerprints (what its pages hold), checked on every hit,
         # and the blocks that failed the check by step (drill accounting; dropped as settled).
         self.identity = PageIdentity(block_size)
@@ -418,6 +433,8 @@ class KVGuardScheduler:
             self._handle_violation(violation, meta)
         if self.faults is not None:
             self._plan_faults(plan, meta)
+        if self.finish is not None and self.finish.held:
+            self.finish.plan(meta, now)
         return meta
 
     # ------------------------------------------------------------------ page identity
@@ -674,6 +691,14 @@ class KVGuardScheduler:
         checks, add their bad blocks to ``invalid_block_ids`` so vLLM recomputes or fails
         their readers in this very step, and act on every finding while the block tables
         of the requests vLLM is about to fail still exist."""
+        planned = guard_meta(getattr(scheduler_output, "kv_connector_metadata", None))
+        if planned is not None:
+            self._output_step = planned.step
+            if planned.release and connector_output is not None:
+                # vLLM asserts that every request reported done is still there.
+                done = connector_output.finished_sending
+                if done:
+                    connector_output.finished_sending = {r for r in done if r in vllm_scheduler.requests}
         meta = guard_worker_meta(getattr(connector_output, "kv_connector_worker_meta", None))
         if meta is None or meta.handled:
             return
@@ -792,6 +817,10 @@ class KVGuardScheduler:
         holders = self._holders(block, step, computed=not unfilled)
         for r in hitters:
             holders.setdefault(r, None)
+        if self.finish is not None and self.finish.held:
+            # Finished requests whose final output waits for this page's check: they read it.
+            for r in self.finish.readers_of(block):
+                holders.setdefault(r, None)
         readers = tuple(sorted(holders))
         # Known good at this step's seal or verification, read unverified by every forward since.
         good = self.ledger.last_good_step(block, step)
@@ -1051,7 +1080,26 @@ class KVGuardScheduler:
 
     # --------------------------------------------------------------- request lifecycle
 
-    def request_finished(self, req_id: str) -> None:
+    def request_finished(
+        self,
+        req_id: str,
+        *,
+        natural: bool = False,
+        client_index: int = 0,
+        streaming: bool = False,
+        output_tokens: int = 0,
+    ) -> bool:
+        """vLLM finished ``req_id``. Returns whether to keep its blocks (the finish check holds
+        its final output: ``natural``, it stopped or reached its length, in sampled mode)."""
+        if natural and self.finish is not None and self.kv_cache_manager is not None:
+            last = self._output_step if self._output_step >= 0 else self.ledger.step
+            if self.finish.hold(req_id, client_index, streaming, output_tokens, last):
+                self.counters.add("finish_held")
+                return True
+        self._release(req_id)
+        return False
+
+    def _release(self, req_id: str, **extra: Any) -> None:
         self._local_hits.pop(req_id, None)
         self.ledger.release_request(req_id)
         self.identity.drop(req_id)
@@ -1065,25 +1113,56 @@ class KVGuardScheduler:
                 "kv_request_affected",
                 RequestAffected(req_id, blocks[0], tuple(dict.fromkeys(blocks)), outcome),
                 level="info" if outcome == policy.HEALED else "error",
+                **extra,
             )
 
     def after_output(self, outputs: dict[int, Any], live: Iterable[str]) -> None:
         """Put the guard's message into the final output of each failed or flagged request;
-        forget messages of requests that ended without one passing (aborted)."""
-        if not self.stop_messages:
-            return
-        for engine_outputs in outputs.values():
-            for out in engine_outputs.outputs:
-                if out.finish_reason is not None:
-                    message = self.stop_messages.pop(out.request_id, None)
-                    if message is not None:
-                        out.stop_reason = message
-        alive = set(live)
-        for req_id in [r for r in self.stop_messages if r not in alive]:
-            del self.stop_messages[req_id]
+        hold back the final outputs of requests the finish check holds, and put back those
+        whose check this step made; forget messages of requests that ended without one
+        passing (aborted)."""
+        finish = self.finish
+        held = finish is not None and bool(finish.held)
+        if self.stop_messages:
+            for engine_outputs in outputs.values():
+                for out in engine_outputs.outputs:
+                    if out.finish_reason is not None and not (held and out.request_id in finish.held):  # type: ignore[union-attr]
+                        message = self.stop_messages.pop(out.request_id, None)
+                        if message is not None:
+                            out.stop_reason = message
+        if held:
+            assert finish is not None
+            finish.stash(outputs)
+            for h in finish.due(self._output_step):
+                self._release_held(h, outputs)
+        if self.stop_messages:
+            alive = set(live) | (set(finish.held) if finish is not None else set())
+            for req_id in [r for r in self.stop_messages if r not in alive]:
+                del self.stop_messages[req_id]
+
+    def _release_held(self, h: Held, outputs: dict[int, Any]) -> None:
+        """A held request's pages are verified: its final output goes out as it was, flagged, or
+        replaced by the guard's error (a page it read failed its check)."""
+        affected = self._affected.get(h.req_id)
+        message = self.stop_messages.pop(h.req_id, None)
+        self.pending_failures.pop(h.req_id, None)
+        out = h.output
+        if affected is not None and affected[0] == policy.FAILED and message is not None:
+            out = patches.error_output(h.req_id, message)
+        elif message is not None and out is not None:
+            out.stop_reason = message
+        if out is not None:
+            patches.add_output(outputs, h.client_index, out)
+        extra = {"tokens_streamed": h.streamed()} if affected is not None and h.streaming else {}
+        self._release(h.req_id, **extra)
 
     def take_pending_failures(self) -> dict[str, str]:
+        """Requests the guard must end itself (not those the finish check holds: their held
+        output is replaced when it is released)."""
         failures, self.pending_failures = self.pending_failures, {}
+        if self.finish is not None and self.finish.held:
+            for req_id in [r for r in failures if r in self.finish.held]:
+                self.pending_failures[req_id] = failures.pop(req_id)
         return failures
 
     def stats(self) -> dict[str, Any] | None:

@@ -381,6 +381,8 @@ class KVGuardWorker:
         # Beside another KV connector: reference digests by page identity, this step's loads
         # (connector/loaded.py); made on the first step that loads or seals with identities.
         self.loaded: LoadedPages | None = None
+        # Held finished requests whose pages this step verifies: reported done (get_finished).
+        self._released: set[str] = set()
 
     def internal_error(self, where: str, exc: Exception) -> None:
         """A hook failed (fail-open): logged here, counted by the scheduler."""
@@ -545,6 +547,10 @@ class KVGuardWorker:
     def bind_connector_metadata(self, meta: KVGuardMetadata | None) -> None:
         self._step_start = time.perf_counter()
         self._meta = meta
+        if meta is not None and meta.release:
+            # Done this step whatever happens below (a failed check fails open): vLLM keeps a
+            # held request's blocks, and steps, until it is reported.
+            self._released |= set(meta.release)
         if self.table is None or meta is None:
             return
         if self._unsettled or (self.loaded is not None and self.loaded.copying):
@@ -574,15 +580,19 @@ class KVGuardWorker:
         # Before the forward: this step's prefix hits are read by its attention.
         if plan.forget:
             self.table.forget(plan.forget)
-        if isinstance(self.table, DeviceDigestTable) and (plan.verify or meta.scrub):
+        if isinstance(self.table, DeviceDigestTable) and (plan.verify or meta.scrub or meta.finish):
             self._verify_on_device(meta)
         else:
             if plan.verify:
                 self._verify(meta, plan.verify, "reuse")
             if meta.scrub:
                 self._verify(meta, meta.scrub, "scrub")
+            if meta.finish:
+                self._verify(meta, meta.finish, "finish")
         if self.rows is not None and meta.scrub_filling:
             self._verify_rows(meta, meta.scrub_filling, "scrub")
+        if self.rows is not None and meta.finish_filling:
+            self._verify_rows(meta, meta.finish_filling, "finish")
         if meta.invalidate and self.config.mode != Mode.LOG:
             self._invalid.update(meta.invalidate)
             self.table.forget(meta.invalidate)
@@ -788,17 +798,19 @@ class KVGuardWorker:
         assert self.pages is not None and isinstance(self.table, DeviceDigestTable)
         start = time.perf_counter()
         hits = self.table.sealed_only(meta.plan.verify)
-        hit_set = set(hits)
-        scrub = [b for b in self.table.sealed_only(meta.scrub) if b not in hit_set]
-        blocks = hits + scrub
+        seen = set(hits)
+        scrub = [b for b in self.table.sealed_only(meta.scrub) if b not in seen]
+        seen.update(scrub)
+        finish = [b for b in self.table.sealed_only(meta.finish) if b not in seen]
+        blocks = hits + scrub + finish
         if blocks:
             deferred = self._defer(
                 self.table.verify_async(blocks), "reuse", meta.step, meta.plan.readers, "checksum_mismatch"
             )
-            if scrub and deferred is not None:
-                deferred.triggers = dict.fromkeys(scrub, "scrub")
+            if (scrub or finish) and deferred is not None:
+                deferred.triggers = dict.fromkeys(scrub, "scrub") | dict.fromkeys(finish, "finish")
         self._worker_meta().verified_steps.add(meta.step)
-        for label, n in (("reuse", len(hits)), ("scrub", len(scrub))):
+        for label, n in (("reuse", len(hits)), ("scrub", len(scrub)), ("finish", len(finish))):
             if n:
                 self.counters.add("verified", n, label=label)
         self.counters.add("bytes_hashed", len(blocks) * self.pages.bytes_per_block, label="verify")
@@ -1420,6 +1432,11 @@ class KVGuardWorker:
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._invalid = self._invalid, set()
         return bad
+
+    def take_released(self) -> set[str]:
+        """The finished requests this step's finish check covered (connector/finish.py)."""
+        released, self._released = self._released, set()
+        return released
 
     def build_connector_worker_meta(self) -> KVGuardWorkerMetadata | None:
         start = self._step_start

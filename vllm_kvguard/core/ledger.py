@@ -334,6 +334,9 @@ class BlockLedger:
         # Where the sampled reads' sweep stands: a reader's index and a page in its table.
         self._read_cursor = 0
         self._read_offset = 0
+        # The reader at the cursor and the one after it, by name: readers that end or move in
+        # vLLM's order must not make the sweep skip one (:meth:`_sweep_start`).
+        self._read_anchor: tuple[str, str] | None = None
         # Each live request's block table as vLLM handed it out (its first view, then the blocks
         # appended): where this step's rows go, without asking vLLM for the table every step.
         # One row of a numpy array per live request (rows and columns grow on demand, rows are
@@ -1018,18 +1021,21 @@ class BlockLedger:
         else:
             chosen: list[np.ndarray] = []
             names = []
+
             # One sweep over every reader's pages laid end to end (reader k's page o is where
             # the last step stopped), ``budget`` pages a step: while the readers stay the
             # same, each (reader, page) comes round every ceil(their number / budget) steps.
-            start, start_at = self._read_cursor % count, self._read_offset
+            def reader(k: int) -> tuple[str, int]:
+                if k < len(running):
+                    return running[k]
+                assert decoded is not None
+                j = k - len(running) if d_at is None else int(d_at[k - len(running)])
+                return decoded.req_ids[decoded.at[j]], int(decoded.nc[j])
+
+            start, start_at = self._sweep_start(count, reader)
             k, o, left = start, start_at, budget
             for i in range(count + 1):
-                if k < len(running):
-                    req_id, computed_tokens = running[k]
-                else:
-                    assert decoded is not None
-                    j = k - len(running) if d_at is None else int(d_at[k - len(running)])
-                    req_id, computed_tokens = decoded.req_ids[decoded.at[j]], int(decoded.nc[j])
+                req_id, computed_tokens = reader(k)
                 table = self._read_pages(self.table(req_id), computed_tokens)
                 # Back at the first reader after a whole round: only the pages it skipped.
                 end = len(table) if i < count else min(start_at, len(table))
@@ -1041,6 +1047,8 @@ class BlockLedger:
                 if left <= 0:
                     at = o + len(piece)
                     self._read_cursor, self._read_offset = (k, at) if at < end else ((k + 1) % count, 0)
+                    after = (self._read_cursor + 1) % count
+                    self._read_anchor = (reader(self._read_cursor)[0], reader(after)[0])
                     break
                 k, o = (k + 1) % count, 0
             if sum(len(t) for t in chosen) <= self._FEW_READS:
@@ -1070,6 +1078,21 @@ class BlockLedger:
         sealed, filling = states == SEALED, states == FILLING
         self.mark_verified(ids[sealed | filling], now)
         return ids[sealed].tolist(), ids[filling].tolist()
+
+    def _sweep_start(self, count: int, reader: Callable[[int], tuple[str, int]]) -> tuple[int, int]:
+        """Where this step's sweep starts: the reader it stopped at, found by name where vLLM's
+        order moved it (readers before it ended, or moved from prefill to decode), else the one
+        that came after it (it ended: from its first page), else the same position."""
+        k = self._read_cursor % count
+        anchor = self._read_anchor
+        if anchor is None or reader(k)[0] == anchor[0]:
+            return k, self._read_offset
+        names = [reader(i)[0] for i in range(count)]
+        if anchor[0] in names:
+            return names.index(anchor[0]), self._read_offset
+        if anchor[1] in names:
+            return names.index(anchor[1]), 0
+        return k, 0
 
     def _few_reads(
         self, chosen: list[np.ndarray], names: list[str], now: float

@@ -29,6 +29,8 @@ CONFIGS: dict[str, dict[str, str]] = {
     "reuse": {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_VERIFY": "reuse"},
     # The default without row digests (full pages only, as before issue 13): what rows cost.
     "rows-off": {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_ROWS": "0"},
+    # The default without the finish check (final outputs not held): what the check costs.
+    "finish-off": {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_FINISH_CHECK": "0"},
 }
 ENGINE_ARGS: dict[str, Any] = {
     "dtype": "bfloat16",

@@ -106,7 +106,8 @@ def parser() -> argparse.ArgumentParser:
         "--configs",
         type=_configs,
         default=["off", "default", "paranoid"],
-        help="comma list of off, default, paranoid, reuse, rows-off (default: off, default, paranoid)",
+        help="comma list of off, default, paranoid, reuse, rows-off, finish-off "
+        "(default: off, default, paranoid)",
     )
     bench.add_argument(
         "--concurrency",

@@ -762,5 +762,74 @@ def test_compiled_decode_placement_plans_as_the_numpy_path(
     assert calls["close_kinds"] and calls["close_kinds"] <= warmed_close
     seals = [step[2] for step in compiled]
     started = [step[4] for step in compiled]
-    assert any(seals) and any(started) and all(step[6] for step in compiled)
+    # Every step verifies some read (a sealed page, or an unfilled page's rows).
+    assert any(seals) and any(started) and all(step[6] or step[7] for step in compiled)
     assert all(8 not in s for s in seals)  # the quarantined page was not sealed
+
+
+@pytest.mark.parametrize("leaving", [0, 1, 2, 5])
+@pytest.mark.parametrize("every", [1, 4])
+def test_sampled_bound_holds_while_readers_finish(leaving: int, every: int) -> None:
+    """Readers ending mid-sweep (issue 43: 8 running requests, some finishing, caught a step or
+    two past the stated bound): the sweep goes on from the reader it stopped at, so every page
+    the remaining readers read is still verified within N x ceil(pages read / (N x budget))
+    steps, pages read counted over the readers running at any time in that window."""
+    ledger = BlockLedger(64, BS, read_every=every)
+    names = [f"r{i}" for i in range(6)]
+    tables = {n: [1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i, n in enumerate(names)}
+    ledger.plan([req(n, 0, 12, True, t, t) for n, t in tables.items()])
+    budget = 2
+    pages = 3 * len(names)
+    bound = every * -(-pages // (every * budget))
+    last: dict[int, int] = {}
+    gaps: dict[int, int] = {}
+    for _ in range(6 * bound):
+        running = [req(n, 12, 1, False, [], t) for n, t in tables.items()]
+        plan = ledger.plan(running, read_budget=budget)
+        for block in plan.read_verify:
+            if block in last:
+                gaps[block] = max(gaps.get(block, 0), plan.step - last[block])
+            last[block] = plan.step
+        if plan.step % every == 0 and plan.step == 2 * bound:
+            # The reader just before the sweep's position, and others, finish.
+            for n in names[:leaving]:
+                tables.pop(n, None)
+                ledger.release_request(n)
+    remaining = {b for t in tables.values() for b in t}
+    assert remaining <= set(last)
+    worst = max(gaps[b] for b in remaining)
+    assert worst <= bound, (worst, bound, gaps)
+
+
+@pytest.mark.parametrize("move", [False, True])
+@pytest.mark.parametrize("front", [True, False])
+def test_sampled_bound_while_readers_join_or_move(front: bool, move: bool) -> None:
+    """Readers joining the sweep (ahead of its position or behind it), and one moving in vLLM's
+    order (the first reader to the end, as a request moves from the prefill views to the decode
+    batch): every page is still verified within the bound counted over every reader in the
+    window, plus one step (the budget's rounding where the sweep meets the joiners), plus the
+    moved reader's pages once (it can come round twice in one sweep)."""
+    ledger = BlockLedger(96, BS)
+    tables = {f"r{i}": [1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(4)}
+    ledger.plan([req(n, 0, 12, True, t, t) for n, t in tables.items()])
+    budget = 2
+    joined = {f"n{i}": [40 + 3 * i, 41 + 3 * i, 42 + 3 * i] for i in range(2)}
+    bound = -(-3 * (len(tables) + len(joined)) // budget)
+    allowed = bound + 1 + (-(-3 // budget) if move else 0)
+    last: dict[int, int] = {}
+    gaps: dict[int, int] = {}
+    order = list(tables)
+    for step in range(6 * bound):
+        if step == bound + 1:
+            ledger.plan([req(n, 0, 12, True, t, t) for n, t in joined.items()])
+            tables |= joined
+            order = (list(joined) + order) if front else (order + list(joined))
+        if move and step == 3 * bound + 1:
+            order = order[1:] + order[:1]
+        plan = ledger.plan([req(n, 12, 1, False, [], tables[n]) for n in order], read_budget=budget)
+        for block in plan.read_verify:
+            if block in last:
+                gaps[block] = max(gaps.get(block, 0), plan.step - last[block])
+            last[block] = plan.step
+    assert set(last) == {b for t in tables.values() for b in t}
+    assert max(gaps.values()) <= allowed, (allowed, gaps)

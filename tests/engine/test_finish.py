@@ -1,0 +1,181 @@
+"""The default mode's window closed: no final text computed from a page that fails its checksum.
+
+``sampled`` verification sweeps the pages running requests read, a few a step, so a page that
+goes bad is caught some steps later. A request that finishes inside that window used to leave
+with text computed from the bad page and no flag. The finish check (connector/finish.py) holds
+such a request's final output until the pages it read since they were last verified are
+verified again.
+
+The class reproduced: one prefix page read by three running requests is scrambled while one of
+them is a few tokens from its end (a stray write, a DMA gone astray: tests/engine/test_integrity.py's
+``scramble``). The control (guard off) shows that request's text changes; without the finish
+check it leaves changed and unflagged; with it, every request ends with its clean text, failed,
+or flagged, and the log says which. The engine core runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so the test can step it and corrupt between two steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.harness import (
+    affected_once,
+    core_scheduler,
+    engine,
+    events,
+    greedy,
+    guard_env,
+    honest,
+    metric,
+    words,
+)
+from tests.engine.test_integrity import scramble
+
+pytestmark = pytest.mark.engine
+INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+BLOCK = 32
+PREFIX = words(17, 8 * BLOCK)  # 8 full pages shared by every request
+ENDING = 12  # the short request's max_tokens
+LEFT = 3  # its tokens still to come when the page is scrambled
+PROMPTS = {"ending": PREFIX + " w300 w301", "b": PREFIX + " w302 w303", "c": PREFIX + " w304 w305"}
+MAX_TOKENS = {"ending": ENDING, "b": 32, "c": 32}
+# One page (2 layers x 16 KiB) verified per step on average, 4 on every 4th step: the three
+# readers' 27 page reads come round in about 28 steps, far more than the 3 the short request has.
+SAMPLED = {"VLLM_KVGUARD_VERIFY_BUDGET": "32KiB", "VLLM_KVGUARD_SCRUB_INTERVAL": "0"}
+
+
+def _params(name: str, streaming: bool) -> Any:
+    from vllm.sampling_params import RequestOutputKind
+
+    params = greedy(MAX_TOKENS[name], ignore_eos=True)
+    if streaming and name == "ending":
+        params.output_kind = RequestOutputKind.DELTA
+    return params
+
+
+def _run(llm: Any, guarded: bool, streaming: bool = False) -> dict[str, Any]:
+    """The clean texts (each prompt alone, caching the prefix), then the three together, one
+    prefix page scrambled when the short request has LEFT tokens to go."""
+    clean = {
+        name: llm.generate([prompt], _params(name, False), use_tqdm=False)[0].outputs[0].text
+        for name, prompt in PROMPTS.items()
+    }
+    core, scheduler = llm.llm_engine, core_scheduler(llm)
+    for name, prompt in PROMPTS.items():
+        core.add_request(name, prompt, _params(name, streaming))
+    (ending,) = [r for r in scheduler.requests.values() if r.request_id.startswith("ending")]
+    texts: dict[str, str] = dict.fromkeys(PROMPTS, "")
+    finals: dict[str, Any] = {}
+
+    def step() -> None:
+        for out in core.step():
+            name = out.request_id.rsplit("-", 1)[0]
+            texts[name] = (
+                texts[name] + out.outputs[0].text if name == "ending" and streaming else out.outputs[0].text
+            )
+            if out.finished:
+                finals[name] = out
+
+    while ending.num_output_tokens < ENDING - LEFT:
+        step()
+    block = _page_to_scramble(llm, scheduler, ending.request_id, guarded)
+    llm.collective_rpc(scramble, args=(block,))
+    at = ending.num_output_tokens
+    while core.has_unfinished_requests():
+        step()
+    return {"clean": clean, "finals": finals, "texts": texts, "block": block, "scrambled_at": at}
+
+
+def _page_to_scramble(llm: Any, scheduler: Any, req_id: str, guarded: bool) -> int:
+    """A prefix page all three read; with the guard, the one its sweep verified last (the
+    longest wait for the sweep's next look at it)."""
+    blocks = scheduler.kv_cache_manager.get_block_ids(req_id)[0][:8]
+    if not guarded:
+        return blocks[5]
+    from vllm_kvguard.connector import find_guard
+
+    guard = find_guard(scheduler.connector)
+    assert guard is not None and guard.scheduler is not None
+    steps = guard.scheduler.ledger.verified_step
+    return max(blocks, key=lambda b: int(steps[b]))
+
+
+def test_control_a_page_scrambled_near_a_requests_end_changes_its_text(tiny_model: str) -> None:
+    with engine(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, num_gpu_blocks_override=64) as llm:
+        r = _run(llm, guarded=False)
+    ending = r["finals"]["ending"].outputs[0]
+    assert ending.finish_reason == "length" and ending.text != r["clean"]["ending"]
+
+
+def test_without_the_finish_check_the_request_leaves_wrong_and_unflagged(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """The hole the finish check closes, shown on the guard itself (VLLM_KVGUARD_FINISH_CHECK=0)."""
+    log = tmp_path / "guard.jsonl"
+    env = guard_env("quarantine", log, **INPROC, **SAMPLED, VLLM_KVGUARD_FINISH_CHECK="0")
+    with engine(tiny_model, env, num_gpu_blocks_override=64) as llm:
+        r = _run(llm, guarded=True)
+    ending = r["finals"]["ending"].outputs[0]
+    assert ending.finish_reason == "length" and ending.stop_reason is None
+    assert ending.text != r["clean"]["ending"]  # wrong text, no flag: not honest
+    assert not honest(r["finals"]["ending"], r["clean"]["ending"])
+
+
+@pytest.mark.parametrize(("suspect", "streaming"), [("fail", False), ("flag", False), ("fail", True)])
+def test_a_request_ending_inside_the_window_is_failed_or_flagged(
+    tiny_model: str, tmp_path: Path, suspect: str, streaming: bool
+) -> None:
+    log = tmp_path / "guard.jsonl"
+    env = guard_env("quarantine", log, **INPROC, **SAMPLED, VLLM_KVGUARD_SUSPECT=suspect)
+    with engine(tiny_model, env, num_gpu_blocks_override=64) as llm:
+        r = _run(llm, guarded=True, streaming=streaming)
+        held = metric(llm, "vllm:kvguard_requests_held")
+        checked = metric(llm, "vllm:kvguard_verifications", trigger="finish")
+    finals, clean = r["finals"], r["clean"]
+    assert set(finals) == set(PROMPTS)
+    # Caught by the short request's finish check, in the step after its last token.
+    found = events(log, "kv_block_corrupted")
+    assert found and found[0]["block_id"] == r["block"] and found[0]["trigger"] == "finish"
+    assert held >= 1 and checked >= 1
+    outcomes = affected_once(log)
+    expected = "failed" if suspect == "fail" else "suspect"
+    assert outcomes["ending"] == expected
+    ending = finals["ending"].outputs[0]
+    assert str(ending.stop_reason).startswith(f"KV-cache corruption: block {r['block']} ")
+    if suspect == "fail":
+        assert ending.finish_reason == "error"
+    else:
+        assert ending.finish_reason == "length" and str(ending.stop_reason).endswith("(suspect)")
+    # Every request: its clean text, failed, or flagged; the log names each affected one once.
+    for name, out in finals.items():
+        assert honest(out, clean[name]), name
+        if out.outputs[0].text != clean[name]:
+            assert name in outcomes, name
+    (line,) = [e for e in events(log, "kv_request_affected") if e["request_id"].startswith("ending")]
+    if streaming:
+        # The tokens the client already had when the request ended with the error.
+        assert line["tokens_streamed"] == ENDING - 1
+        assert r["texts"]["ending"] != ""
+    else:
+        assert "tokens_streamed" not in line
+
+
+def test_clean_requests_leave_unchanged_through_the_finish_check(tiny_model: str, tmp_path: Path) -> None:
+    """Many requests of unequal length: held and released, the same text as with the guard off,
+    no finding, no request left behind."""
+    prompts = [words(17 + 13 * i, 40 + 23 * i) for i in range(8)]
+    params = [greedy(6 + 5 * i) for i in range(8)]
+    with engine(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, num_gpu_blocks_override=64) as llm:
+        plain = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    log = tmp_path / "guard.jsonl"
+    with engine(tiny_model, guard_env("quarantine", log, **INPROC), num_gpu_blocks_override=64) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        held = metric(llm, "vllm:kvguard_requests_held")
+        scheduler = core_scheduler(llm)
+        assert not scheduler.requests and not scheduler.has_requests()
+    assert [o.outputs[0].text for o in outs] == plain
+    assert held >= 1
+    assert events(log, "kv_block_corrupted") == [] and events(log, "kv_request_affected") == []
