@@ -310,6 +310,8 @@ class KVGuardScheduler:
             else None
         )
         self._output_step = -1
+        # Held requests released in this step's before_output: (client, final output) to put back.
+        self._released: list[tuple[int, Any]] = []
         # Each live request's page fingerprints (what its pages hold), checked on every hit,
         # and the blocks that failed the check by step (drill accounting; dropped as settled).
         self.identity = PageIdentity(block_size)
@@ -700,17 +702,28 @@ class KVGuardScheduler:
                 if done:
                     connector_output.finished_sending = {r for r in done if r in vllm_scheduler.requests}
         meta = guard_worker_meta(getattr(connector_output, "kv_connector_worker_meta", None))
-        if meta is None or meta.handled:
-            return
-        meta.settle()
-        if meta.invalid:
-            connector_output.invalid_block_ids = set(connector_output.invalid_block_ids or ()) | meta.invalid
-        if meta.detections:
-            self._running = self._take_running(vllm_scheduler, scheduler_output)
-        try:
-            self.update_connector_output(meta)
-        finally:
-            self._running = None
+        if meta is not None and not meta.handled:
+            meta.settle()
+            if meta.invalid:
+                connector_output.invalid_block_ids = (
+                    set(connector_output.invalid_block_ids or ()) | meta.invalid
+                )
+            if meta.detections:
+                self._running = self._take_running(vllm_scheduler, scheduler_output)
+            try:
+                self.update_connector_output(meta)
+            finally:
+                self._running = None
+        if self.finish is not None and self.finish.held:
+            # Their checks' findings are handled: released now, so that the step's own state
+            # report (inside vLLM's update_from_output) no longer counts them; their outputs go
+            # back into the step's outputs in after_output.
+            for h in self.finish.due(self._output_step):
+                try:
+                    self._released.append(self._release_held(h))
+                except Exception as exc:  # its output still leaves, as vLLM made it
+                    self.internal_error("finish_release", exc)
+                    self._released.append((h.client_index, h.output))
 
     def _take_running(self, vllm_scheduler: Any, scheduler_output: Any) -> dict[str, Holder]:
         ntok = scheduler_output.num_scheduled_tokens
@@ -1133,16 +1146,20 @@ class KVGuardScheduler:
         if held:
             assert finish is not None
             finish.stash(outputs)
-            for h in finish.due(self._output_step):
-                self._release_held(h, outputs)
+        if self._released:
+            for client_index, out in self._released:
+                if out is not None:
+                    patches.add_output(outputs, client_index, out)
+            self._released = []
         if self.stop_messages:
             alive = set(live) | (set(finish.held) if finish is not None else set())
             for req_id in [r for r in self.stop_messages if r not in alive]:
                 del self.stop_messages[req_id]
 
-    def _release_held(self, h: Held, outputs: dict[int, Any]) -> None:
+    def _release_held(self, h: Held) -> tuple[int, Any]:
         """A held request's pages are verified: its final output goes out as it was, flagged, or
-        replaced by the guard's error (a page it read failed its check)."""
+        replaced by the guard's error (a page it read failed its check). Returns its client and
+        that output."""
         affected = self._affected.get(h.req_id)
         message = self.stop_messages.pop(h.req_id, None)
         self.pending_failures.pop(h.req_id, None)
@@ -1151,10 +1168,9 @@ class KVGuardScheduler:
             out = patches.error_output(h.req_id, message)
         elif message is not None and out is not None:
             out.stop_reason = message
-        if out is not None:
-            patches.add_output(outputs, h.client_index, out)
         extra = {"tokens_streamed": h.streamed()} if affected is not None and h.streaming else {}
         self._release(h.req_id, **extra)
+        return h.client_index, out
 
     def take_pending_failures(self) -> dict[str, str]:
         """Requests the guard must end itself (not those the finish check holds: their held
