@@ -4,7 +4,8 @@
 
 Two step shapes on an 8192-block pool: a decode step (16 running requests, one token
 each, sampled read verification of 8 pages) and an allocation-heavy step (8 new
-requests each hitting 12 cached blocks and given 2 new ones). Medians in µs. It calls
+requests each hitting 12 cached blocks and given 2 new ones). Medians in µs. Then the
+finish check's scheduler side (:func:`finish_check`). It calls
 ``BlockLedger.plan(requests, read_budget)`` only, so it runs unchanged against older
 versions of the ledger too (e.g. ``git worktree add /tmp/old <commit>`` and
 ``PYTHONPATH=/tmp/old python benchmarks/plan_micro.py``).
@@ -51,6 +52,41 @@ def allocation_step() -> float:
     return statistics.median(times) * 1e6
 
 
+def finish_check(pages: int, finishing: int) -> tuple[float, float, int]:
+    """The finish check's scheduler side (connector/finish.py): deciding to hold one finished
+    request (µs a request) and planning the held requests' pages into the next step (µs a
+    step with ``finishing`` of 64 running requests of ``pages`` pages each finished), and the
+    pages that step verifies. The workers' side is hashing those pages once each."""
+    from vllm_kvguard.connector.finish import FinishCheck
+    from vllm_kvguard.connector.metadata import KVGuardMetadata
+
+    ledger = BlockLedger(64 * pages + 8, 32)
+    tables = {f"r{i}": list(range(1 + i * pages, 1 + (i + 1) * pages)) for i in range(64)}
+    ledger.plan([_req(r, 0, pages * 32, True, t, t) for r, t in tables.items()])
+    plan = ledger.plan([_req(r, pages * 32, 1, False, [], t) for r, t in tables.items()], 4)
+    check = FinishCheck(ledger, rows=True)
+    holds, plans, verified = [], [], 0
+    for _ in range(200):
+        check.held.clear()
+        start = time.perf_counter()
+        for r in list(tables)[:finishing]:
+            check.hold(r, 0, False, 10, ledger.step + 1)
+        holds.append((time.perf_counter() - start) / finishing)
+        meta = KVGuardMetadata(plan)
+        start = time.perf_counter()
+        check.plan(meta, 0.0)
+        plans.append(time.perf_counter() - start)
+        verified = len(meta.finish) + len(meta.finish_filling)
+    return statistics.median(holds) * 1e6, statistics.median(plans) * 1e6, verified
+
+
 if __name__ == "__main__":
     for _ in range(3):
         print(f"decode step {decode_step():7.1f} us   allocation-heavy step {allocation_step():7.1f} us")
+    for pages in (4, 16, 64):
+        for finishing in (1, 8):
+            hold, plan, verified = finish_check(pages, finishing)
+            print(
+                f"finish check, {pages:2d} pages a request, {finishing} finishing: hold {hold:5.1f} us a "
+                f"request, plan {plan:5.1f} us a step, {verified} pages verified"
+            )

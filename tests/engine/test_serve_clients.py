@@ -36,7 +36,7 @@ def _client(base: str) -> openai.OpenAI:
 def _seal_and_corrupt(client: openai.OpenAI) -> None:
     """Seal each prefix's page; the drill's faults (count=2) land one on each: the first on
     prefix 0's page while prefix 1 runs (the only idle sealed page then), the second on
-    prefix 1's page on the next request's first step (prefix 0's page is held by its reader)."""
+    prefix 1's page once it is idle (prefix 0's page is held by its reader by then)."""
     for prefix in ONE_PAGE:
         client.completions.create(model="tiny", prompt=prefix + " w1 w2", max_tokens=4, temperature=0)
 
@@ -60,7 +60,7 @@ def test_raise_mode_clients_get_503_naming_the_block_and_request(raise_server: d
     client = _client(raise_server["base"])
     _seal_and_corrupt(client)
     injected = [line["block_id"] for line in events(raise_server["log"], "kv_fault_injected")]
-    assert len(injected) == 2 and len(set(injected)) == 2, injected
+    assert len(injected) >= 1, injected
 
     # Not streaming: the whole answer is the error.
     with pytest.raises(openai.APIStatusError) as info:
@@ -78,6 +78,11 @@ def test_raise_mode_clients_get_503_naming_the_block_and_request(raise_server: d
     assert block == injected[0]
     line = _affected(raise_server["log"])[request_id]  # the id in the error is the log line's
     assert line["outcome"] == "failed" and line["block_id"] == block
+    # The second fault lands on prefix 1's page once it is idle: in the step after its request
+    # is done (its blocks freed), or, where the finish check held that request's final output
+    # for a step, on the first step of the next request.
+    injected = [line["block_id"] for line in events(raise_server["log"], "kv_fault_injected")]
+    assert len(injected) == 2 and len(set(injected)) == 2, injected
 
     # Streaming: the stream started (HTTP 200), so the error arrives as an error event, which the
     # client raises.

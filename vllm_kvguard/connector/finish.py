@@ -85,13 +85,17 @@ class FinishCheck:
         new = [h for h in self.held.values() if h.step is None]
         if not new:
             return
-        already = set(meta.plan.verify) | set(meta.scrub)
-        pages = np.unique(np.concatenate([h.pages for h in new]))
-        filling = np.unique(np.concatenate([h.filling for h in new]))
+        if len(new) == 1:
+            pages, filling = new[0].pages, new[0].filling
+        else:
+            pages = np.unique(np.concatenate([h.pages for h in new]))
+            filling = np.unique(np.concatenate([h.filling for h in new]))
         # Pages freed or quarantined since (another finding) are no longer theirs to verify.
         pages = pages[self.ledger.state[pages] == SEALED]
         filling = filling[self.ledger.state[filling] == FILLING]
-        meta.finish = [b for b in pages.tolist() if b not in already]
+        if meta.plan.verify or meta.scrub:  # verified this step anyway
+            pages = pages[~np.isin(pages, np.asarray(meta.plan.verify + meta.scrub, dtype=np.int64))]
+        meta.finish = pages.tolist()
         meta.finish_filling = filling.tolist()
         meta.release = [h.req_id for h in new]
         self.ledger.mark_verified(np.concatenate([pages, filling]), now)
