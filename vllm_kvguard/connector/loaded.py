@@ -87,6 +87,7 @@ class LoadedPages:
         # This step: layers still to check (host path), the loaded pages with a digest and
         # those digests, the mismatches found so far, the pages found bad (never sealed), and
         # the pages never to keep as a reference (bad, or loaded without a digest).
+        # (The worker's loads_left is this set: cleared and filled in place, never replaced.)
         self.left: set[int] = set()
         self.blocks: list[int] = []
         self.expected: np.ndarray = np.zeros((0, 0), dtype=np.uint64)
@@ -108,7 +109,7 @@ class LoadedPages:
         return bool(self._sealed)
 
     def new_step(self) -> None:
-        self.left = set()
+        self.left.clear()
         self.blocks = []
         self._bad = []
         self.failed = set()
@@ -137,7 +138,7 @@ class LoadedPages:
         self.blocks = [int(blocks[i]) for i in known]
         self.expected = np.stack([expected[i] for i in known])  # type: ignore[misc]
         if not self.on_device:
-            self.left = set(range(self.pages.num_layers))
+            self.left.update(range(self.pages.num_layers))
 
     # ------------------------------------------------------------- host path
 

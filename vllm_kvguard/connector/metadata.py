@@ -9,7 +9,7 @@ merged over ranks; device checks ride in it as :class:`DeviceCheck` until they s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -329,21 +329,24 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
         )
 
 
-def guard_meta(meta: object) -> KVGuardMetadata | None:
-    """The guard's step metadata in a scheduler output (itself, or a MultiConnector child's)."""
-    if isinstance(meta, KVGuardMetadata):
+_M = TypeVar("_M", KVGuardMetadata, KVGuardWorkerMetadata)
+
+
+def _guard_child(meta: object, kind: type[_M]) -> _M | None:
+    """The guard's part of ``meta``: itself, or a MultiConnector child's."""
+    if isinstance(meta, kind):
         return meta
     for child in getattr(meta, "metadata", None) or ():
-        if isinstance(child, KVGuardMetadata):
+        if isinstance(child, kind):
             return child
     return None
+
+
+def guard_meta(meta: object) -> KVGuardMetadata | None:
+    """The guard's step metadata in a scheduler output."""
+    return _guard_child(meta, KVGuardMetadata)
 
 
 def guard_worker_meta(meta: object) -> KVGuardWorkerMetadata | None:
-    """The guard's worker metadata in a step's output (itself, or a MultiConnector child's)."""
-    if isinstance(meta, KVGuardWorkerMetadata):
-        return meta
-    for child in getattr(meta, "metadata", None) or ():
-        if isinstance(child, KVGuardWorkerMetadata):
-            return child
-    return None
+    """The guard's worker metadata in a step's output."""
+    return _guard_child(meta, KVGuardWorkerMetadata)

@@ -1135,17 +1135,16 @@ class KVGuardScheduler:
         whose check this step made; forget messages of requests that ended without one
         passing (aborted)."""
         finish = self.finish
-        held = finish is not None and bool(finish.held)
+        if finish is not None and finish.held:
+            # First: a held output gets its message when it is released (_release_held).
+            finish.stash(outputs)
         if self.stop_messages:
             for engine_outputs in outputs.values():
                 for out in engine_outputs.outputs:
-                    if out.finish_reason is not None and not (held and out.request_id in finish.held):  # type: ignore[union-attr]
+                    if out.finish_reason is not None:
                         message = self.stop_messages.pop(out.request_id, None)
                         if message is not None:
                             out.stop_reason = message
-        if held:
-            assert finish is not None
-            finish.stash(outputs)
         if self._released:
             for client_index, out in self._released:
                 if out is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
 import numpy as np
@@ -335,9 +334,6 @@ class WrittenRows:
         return order[at], ordered[at] == ids
 
 
-_NO_LAYERS: frozenset[int] = frozenset()
-
-
 class KVGuardWorker:
     def __init__(
         self, config: KVGuardConfig, num_blocks: int, rank: int, log: GuardLog, *, block_size: int = 0
@@ -381,6 +377,9 @@ class KVGuardWorker:
         # Beside another KV connector: reference digests by page identity, this step's loads
         # (connector/loaded.py); made on the first step that loads or seals with identities.
         self.loaded: LoadedPages | None = None
+        # Layers whose loaded pages this step has yet to check (host path; usually empty): the
+        # loaded pages' own set once there are any.
+        self.loads_left: set[int] = set()
         # Held finished requests whose pages this step verifies: reported done (get_finished).
         self._released: set[str] = set()
 
@@ -623,17 +622,14 @@ class KVGuardWorker:
 
     # ------------------------------------------------------------- loaded pages
 
-    @property
-    def loads_left(self) -> AbstractSet[int]:
-        """Layers whose loaded pages this step has yet to check (host path; usually empty)."""
-        return self.loaded.left if self.loaded is not None else _NO_LAYERS
-
     def _loaded_pages(self) -> LoadedPages:
         assert self.pages is not None and self.table is not None
         if self.loaded is None:
             self.loaded = LoadedPages(
                 self.config, self.rank, self.pages, self.table, self.counters, self._worker_meta
             )
+            # One attribute test per attention layer (the facade's wait_for_layer_load).
+            self.loads_left = self.loaded.left
         return self.loaded
 
     def _begin_loads(self, meta: KVGuardMetadata) -> None:
