@@ -47,7 +47,7 @@ def main() -> None:
     from vllm_kvguard.digest import rowhash
 
     assert rowhash.compiled() is not None, rowhash.backend()
-    from vllm_kvguard.connector.worker import WrittenRows
+    from vllm_kvguard.connector.layout import WrittenRows
     from vllm_kvguard.digest import _rowkernels
 
     @numba.njit(nogil=True)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from vllm_kvguard.connector.worker import _cpu_isa, cpu_slot_elements
+from vllm_kvguard.connector.layout import cpu_isa, cpu_slot_elements
 from vllm_kvguard.digest import KVPages
 from vllm_kvguard.digest.rows import HostRows, PackedRows, RowDigests, row_digests_torch
 
@@ -52,7 +52,7 @@ def main() -> None:
     backing = torch.randn(a.layers, a.blocks, *page_shape).to(torch.bfloat16)
     layers = {f"layer.{i}": backing[i] for i in range(a.layers)}
     pages = KVPages(layers)
-    isa = _cpu_isa("", torch.bfloat16, bs, a.head_size)
+    isa = cpu_isa("", torch.bfloat16, bs, a.head_size)
     elements = cpu_slot_elements(page_shape, torch.bfloat16, bs, isa)
     # As the worker builds them: numpy gathers for hashing, torch access for drills.
     gathers = [PackedRows(t, elements) for t in pages.tensors]

@@ -47,7 +47,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from vllm_kvguard.connector.worker import cpu_slot_elements
+    from vllm_kvguard.connector.layout import cpu_slot_elements
     from vllm_kvguard.digest.pages import KVPages
     from vllm_kvguard.digest.rows import HostRows, PackedRows, RowDigests
 

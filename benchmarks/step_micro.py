@@ -117,13 +117,13 @@ class Bench:
         self.seq = 0
 
         from vllm_kvguard.connector import patches
-        from vllm_kvguard.connector.worker import _cpu_isa
+        from vllm_kvguard.connector.layout import cpu_isa
 
         # vLLM's op itself (not timed), then the guard's observer of it (timed: worker side).
         self._write_op = patches.original_cpu_kv_write()
         self._observer = patches._KV_WRITE_OBSERVER
         self._observed = 0.0
-        self._isa = _cpu_isa(self.names[0], torch.bfloat16, bs, head)
+        self._isa = cpu_isa(self.names[0], torch.bfloat16, bs, head)
         self.head_shape = (heads, head)
 
     def _blocks(self, n: int) -> list[int]:

@@ -45,11 +45,11 @@ def corrupt_written_slots(worker: Any, block: int, slots: int) -> None:
     """Negate and scale the values of the first ``slots`` slots of one page in every layer (a
     stray write, a bit-flipping DIMM under a page still being written). The slots are found
     the way the guard finds them: by probing vLLM's own CPU write op."""
-    from vllm_kvguard.connector.worker import _cpu_isa, cpu_slot_elements
+    from vllm_kvguard.connector.layout import cpu_isa, cpu_slot_elements
 
     for t in kv_layers(worker):
         page_shape = tuple(t.shape[1:])
-        isa = _cpu_isa("", t.dtype, BLOCK, page_shape[-1] // 2)
+        isa = cpu_isa("", t.dtype, BLOCK, page_shape[-1] // 2)
         elements = cpu_slot_elements(page_shape, t.dtype, BLOCK, isa)[:slots].reshape(-1)
         flat = t[block].view(-1)
         flat[elements] = flat[elements] * -3 + 1

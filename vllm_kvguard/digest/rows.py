@@ -566,7 +566,7 @@ class RowDigests:
         block's previous owner had at that slot (a write that did not land). ``digests`` and
         ``probe`` (host rows with a :attr:`HostRows.probe_spec` only): the digests of the bytes
         vLLM was asked to write to each row and what :meth:`HostRows.landed` compares of them
-        (the write op's wrapper, :class:`connector.worker.WrittenRows`); a row's digest is kept
+        (the write op's wrapper, :class:`connector.layout.WrittenRows`); a row's digest is kept
         from them where the page shows it landed, instead of gathering the row back out of its
         page, and taken from the page where not. ``flat``: ``blocks * block_size + slots``
         where the caller has it (vLLM's slot mapping): the tables are then read and written
@@ -596,7 +596,7 @@ class RowDigests:
         probe: np.ndarray,
     ) -> np.ndarray | None:
         """:meth:`record` of the rows a step wrote, from their KVG64 sums as the write op's
-        wrapper took them (:class:`connector.worker.WrittenRows`), in one compiled call (the
+        wrapper took them (:class:`connector.layout.WrittenRows`), in one compiled call (the
         usual step): the rows in the order they were written (``flat``: vLLM's slot mapping,
         ``blocks * block_size + slots``), the landing check, the tables' update and the
         comparison with the previous owner's rows. Rows that did not land are digested from
