@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from vllm_kvguard.connector.scheduler import scheduled_requests
+from vllm_kvguard.connector.views import scheduled_requests
 
 BS = 4
 
@@ -95,7 +95,7 @@ def test_the_guard_reads_every_input_a_page_is_keyed_by_from_the_request() -> No
     import numpy as np
     import torch
 
-    from vllm_kvguard.connector.scheduler import request_inputs
+    from vllm_kvguard.connector.views import request_inputs
     from vllm_kvguard.digest.identity import PageIdentity
 
     def request(**extra: Any) -> Any:
@@ -127,7 +127,7 @@ def _run_both(steps: list[Any], budget: int | None) -> None:
     the connector uses (step_views: views for what changed, arrays for plain decodes)."""
     import numpy as np
 
-    from vllm_kvguard.connector.scheduler import step_views
+    from vllm_kvguard.connector.views import step_views
     from vllm_kvguard.core.ledger import BlockLedger
 
     slow, fast = BlockLedger(64, BS), BlockLedger(64, BS)
