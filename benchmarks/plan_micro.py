@@ -16,7 +16,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from vllm_kvguard.core.ledger import BlockLedger, ScheduledRequest
+from vllm_kvguard.core.ledger import BlockLedger
+from vllm_kvguard.core.plan import ScheduledRequest
 
 
 def _req(req_id: str, computed: int, new: int, fresh: bool, new_blocks: list[int], table: list[int]):

@@ -336,7 +336,7 @@ def _install_floor(kind: str) -> None:
     from vllm_kvguard.connector.metadata import KVGuardMetadata
     from vllm_kvguard.connector.scheduler import KVGuardScheduler
     from vllm_kvguard.connector.worker import KVGuardWorker
-    from vllm_kvguard.core.ledger import StepPlan
+    from vllm_kvguard.core.plan import StepPlan
 
     empty_meta = KVGuardMetadata(StepPlan(0))
 

@@ -20,10 +20,7 @@ from vllm_kvguard.core.events import (
     LifecycleViolationFound,
     WriteLost,
 )
-from vllm_kvguard.core.ledger import (
-    IdentityMismatch,
-    LifecycleViolation,
-)
+from vllm_kvguard.core.plan import IdentityMismatch, LifecycleViolation
 from vllm_kvguard.core.shapes import Shape
 from vllm_kvguard.errors import KVCacheCorruptionError
 

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from vllm_kvguard.connector.metadata import KVGuardMetadata
-from vllm_kvguard.core.ledger import FILLING, SEALED, BlockLedger
+from vllm_kvguard.core.ledger import BlockLedger
+from vllm_kvguard.core.plan import FILLING, SEALED
 
 
 @dataclass

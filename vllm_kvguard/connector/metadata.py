@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm_kvguard.core.counters import GuardCounters
 from vllm_kvguard.core.events import Detection
 from vllm_kvguard.core.faults import Injection
-from vllm_kvguard.core.ledger import StepPlan
+from vllm_kvguard.core.plan import StepPlan
 from vllm_kvguard.core.shapes import Shape
 from vllm_kvguard.digest import PendingCheck
 from vllm_kvguard.digest.kernel import MISMATCH, NONFINITE

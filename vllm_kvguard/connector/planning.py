@@ -18,12 +18,7 @@ from vllm_kvguard.core.events import (
     FaultOutcome,
 )
 from vllm_kvguard.core.faults import FaultSite, Injection
-from vllm_kvguard.core.ledger import (
-    BlockState,
-    IdentityMismatch,
-    ScheduledRequest,
-    StepPlan,
-)
+from vllm_kvguard.core.plan import BlockState, IdentityMismatch, ScheduledRequest, StepPlan
 
 if TYPE_CHECKING:
     pass

@@ -37,9 +37,7 @@ from vllm_kvguard.core.events import (
     FaultOutcome,
     RequestAffected,
 )
-from vllm_kvguard.core.ledger import (
-    StepPlan,
-)
+from vllm_kvguard.core.plan import StepPlan
 from vllm_kvguard.logs import power_of_two
 
 if TYPE_CHECKING:

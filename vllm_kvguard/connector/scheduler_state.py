@@ -21,10 +21,8 @@ from vllm_kvguard.core.events import (
     GuardStarted,
 )
 from vllm_kvguard.core.faults import FaultTracker, parse_fault_spec
-from vllm_kvguard.core.ledger import (
-    BlockLedger,
-    ScheduledRequest,
-)
+from vllm_kvguard.core.ledger import BlockLedger
+from vllm_kvguard.core.plan import ScheduledRequest
 from vllm_kvguard.core.scrub import Scrubber
 from vllm_kvguard.digest.identity import PageIdentity
 from vllm_kvguard.logs import GuardLog

@@ -10,10 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from vllm_kvguard.core.ledger import (
-    Decodes,
-    ScheduledRequest,
-)
+from vllm_kvguard.core.plan import Decodes, ScheduledRequest
 from vllm_kvguard.digest.identity import Media, RequestInputs, context_bytes
 
 if TYPE_CHECKING:

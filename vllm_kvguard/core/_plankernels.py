@@ -1,4 +1,4 @@
-"""The ledger's compiled loops (numba); imported by :func:`ledger.compiled` only, never with the
+"""The ledger's compiled loops (numba); imported by :func:`compiled.compiled` only, never with the
 package. Module-level functions, so that numba can cache them on disk. The ledger's numpy code
 is the definition they are tested against (tests/unit/core/test_ledger.py)."""
 

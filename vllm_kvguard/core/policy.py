@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from vllm_kvguard.config import Mode, SuspectAction
 from vllm_kvguard.core.events import Action
-from vllm_kvguard.core.ledger import Violation
+from vllm_kvguard.core.plan import Violation
 
 # What happened to a request that held a bad page (``kv_request_affected``, the
 # requests_affected metric label), once per request, the worst it came to:

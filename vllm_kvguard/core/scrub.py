@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_kvguard.core.ledger import BlockLedger, BlockState
+from vllm_kvguard.core.ledger import BlockLedger
+from vllm_kvguard.core.plan import BlockState
 
 _WINDOW = 4096  # blocks scanned per slice when looking for sealed pages
 _RECOUNT_S = 0.25  # how often the number of sealed pages is recounted (an O(blocks) pass)

@@ -16,7 +16,7 @@ import torch
 from vllm_kvguard.config import load_config
 from vllm_kvguard.connector.metadata import KVGuardMetadata
 from vllm_kvguard.connector.worker import KVGuardWorker
-from vllm_kvguard.core.ledger import StepPlan
+from vllm_kvguard.core.plan import StepPlan
 from vllm_kvguard.digest import rowhash
 from vllm_kvguard.digest.rows import row_digests_reference
 from vllm_kvguard.logs import GuardLog

@@ -2,7 +2,8 @@ from typing import Any
 
 import pytest
 
-from vllm_kvguard.core.ledger import BlockLedger, BlockState, ScheduledRequest, Violation
+from vllm_kvguard.core.ledger import BlockLedger
+from vllm_kvguard.core.plan import BlockState, ScheduledRequest, Violation
 
 BS = 4
 
@@ -148,7 +149,7 @@ def test_sampled_reads_batched_every_n_steps_keep_the_bound(every: int, budget: 
     length, a page shared by two readers and an unfilled page (its rows) among them."""
     import numpy as np
 
-    from vllm_kvguard.core.ledger import Decodes
+    from vllm_kvguard.core.plan import Decodes
 
     ledger = BlockLedger(32, BS, read_every=every)
     ledger.plan([req("a", 0, 12, True, [1, 2, 3], [1, 2, 3]), req("b", 0, 8, True, [4, 5], [4, 5])])
@@ -464,7 +465,7 @@ def _sampled_run(few: int) -> list[tuple]:
     table; views and decodes (as arrays) both; every step's reads and what they marked."""
     import numpy as np
 
-    from vllm_kvguard.core.ledger import Decodes
+    from vllm_kvguard.core.plan import Decodes
 
     ledger = BlockLedger(32, BS)
     ledger._FEW_READS = few
@@ -511,8 +512,8 @@ def test_two_decodes_filling_one_block_close_it_once(
     step to the numpy path) as without."""
     import numpy as np
 
-    from vllm_kvguard.core import ledger as ledger_module
-    from vllm_kvguard.core.ledger import Decodes
+    from vllm_kvguard.core import compiled as ledger_module
+    from vllm_kvguard.core.plan import Decodes
 
     if not use_compiled:
         monkeypatch.setattr(ledger_module, "_compiled", None)
@@ -553,8 +554,8 @@ def test_decodes_given_a_block_plan_as_views_would(
     the step is the same: tables, allocation audit, page identity entries, rows written."""
     import numpy as np
 
-    from vllm_kvguard.core import ledger as ledger_module
-    from vllm_kvguard.core.ledger import Decodes
+    from vllm_kvguard.core import compiled as ledger_module
+    from vllm_kvguard.core.plan import Decodes
 
     if not use_compiled:
         monkeypatch.setattr(ledger_module, "_compiled", None)
@@ -645,8 +646,8 @@ def _decode_run(
     import numba
     import numpy as np
 
-    from vllm_kvguard.core import ledger as ledger_module
-    from vllm_kvguard.core.ledger import Decodes
+    from vllm_kvguard.core import compiled as ledger_module
+    from vllm_kvguard.core.plan import Decodes
 
     calls: dict[str, Any] = {"placed": 0, "fell back": 0, "grown": 0, "closed": 0}
     kernels = ledger_module.compiled()
@@ -739,7 +740,7 @@ def test_compiled_decode_placement_plans_as_the_numpy_path(
     mirrored table sends the step to the numpy path."""
     import numba
 
-    from vllm_kvguard.core import ledger as ledger_module
+    from vllm_kvguard.core import compiled as ledger_module
 
     compiled, calls = _decode_run(monkeypatch, True, budget)
     numpy_path, none = _decode_run(monkeypatch, False, budget)

@@ -7,7 +7,7 @@ import pytest
 from vllm_kvguard.config import Mode, SuspectAction
 from vllm_kvguard.core import policy
 from vllm_kvguard.core.events import Action
-from vllm_kvguard.core.ledger import Violation
+from vllm_kvguard.core.plan import Violation
 
 
 @pytest.mark.parametrize(

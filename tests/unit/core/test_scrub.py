@@ -1,6 +1,7 @@
 import pytest
 
-from vllm_kvguard.core.ledger import BlockLedger, BlockState
+from vllm_kvguard.core.ledger import BlockLedger
+from vllm_kvguard.core.plan import BlockState
 from vllm_kvguard.core.scrub import Scrubber
 
 
