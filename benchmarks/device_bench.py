@@ -274,8 +274,10 @@ def step_rows(a, caches, sync) -> list[dict[str, object]]:  # type: ignore[no-un
     row kernel (``kernel``, one launch a call) and by torch (``torch``, the fallback)."""
     import numpy as np
 
+    from vllm_kvguard.digest.device_rows import DeviceRowDigests
     from vllm_kvguard.digest.kernel import RowGeometry
-    from vllm_kvguard.digest.rows import AxisRows, DeviceRowDigests, RowDigests
+    from vllm_kvguard.digest.row_access import AxisRows
+    from vllm_kvguard.digest.rows import RowDigests
 
     tensors = [t.movedim(1, 0) for t in caches.values()]  # block-first: (blocks, 2, slots, heads, head)
     gathers = [AxisRows(t, 1) for t in tensors]

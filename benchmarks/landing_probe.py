@@ -67,7 +67,8 @@ def main() -> None:
 
     from vllm_kvguard.connector.layout import cpu_slot_elements
     from vllm_kvguard.digest import rowhash
-    from vllm_kvguard.digest.rows import HostRows, PackedRows, RowDigests
+    from vllm_kvguard.digest.row_access import HostRows, PackedRows
+    from vllm_kvguard.digest.rows import RowDigests
 
     if rowhash.compiled() is None:
         raise SystemExit(f"keep_written needs numba: {rowhash.backend()}")

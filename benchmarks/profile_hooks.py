@@ -345,7 +345,7 @@ def _install_floor(kind: str) -> None:
 
     if kind == "empty":
         cls: Any = connector.KVGuardConnector
-        patches.patch_scheduler = lambda: True  # no update_from_output wrapper, no before/after calls
+        patches.patch_scheduler = lambda find: True  # no update_from_output wrapper, no before/after calls
         cls.register_kv_caches = nothing  # no write-op observer
         # vLLM's base class keeps the step's metadata (its per-layer calls need it bound).
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as base

@@ -28,7 +28,8 @@ import torch
 
 from vllm_kvguard.connector.layout import cpu_isa, cpu_slot_elements
 from vllm_kvguard.digest import KVPages
-from vllm_kvguard.digest.rows import HostRows, PackedRows, RowDigests, row_digests_torch
+from vllm_kvguard.digest.row_access import HostRows, PackedRows
+from vllm_kvguard.digest.rows import RowDigests, row_digests_torch
 
 
 def _time(fn: Callable[[], object], n: int) -> float:

@@ -49,7 +49,8 @@ def main() -> None:
 
     from vllm_kvguard.connector.layout import cpu_slot_elements
     from vllm_kvguard.digest.pages import KVPages
-    from vllm_kvguard.digest.rows import HostRows, PackedRows, RowDigests
+    from vllm_kvguard.digest.row_access import HostRows, PackedRows
+    from vllm_kvguard.digest.rows import RowDigests
 
     bs, dtype = 16, torch.bfloat16
     isa = str(_get_attn_isa(dtype, bs, a.head_size))

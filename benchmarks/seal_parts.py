@@ -51,7 +51,8 @@ def main() -> None:
     from vllm_kvguard.digest import rowhash
     from vllm_kvguard.digest.dtypes import EXPONENT_TESTS
     from vllm_kvguard.digest.pages import KVPages
-    from vllm_kvguard.digest.rows import HostRows, PackedRows, RowDigests
+    from vllm_kvguard.digest.row_access import HostRows, PackedRows
+    from vllm_kvguard.digest.rows import RowDigests
     from vllm_kvguard.digest.syndrome import finish, parities
 
     layers, heads, head, bs, blocks, k = 4, 8, 64, 16, 8000, a.blocks_per_chunk

@@ -14,7 +14,7 @@ def _guard() -> Any:
     """The guard's worker side (:class:`~vllm_kvguard.connector.worker.KVGuardWorker`) in this worker."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from vllm_kvguard.connector import find_guard
+    from vllm_kvguard.connector.facade import find_guard
 
     guard = find_guard(get_kv_transfer_group())
     if guard is None or guard.worker is None or guard.worker.table is None:

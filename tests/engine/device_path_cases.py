@@ -190,7 +190,7 @@ def rows_on_device(monkeypatch: pytest.MonkeyPatch) -> None:
     map, with the host's compiled path and the written-rows shortcut off. In-process engines only."""
     from vllm_kvguard.connector import patches
     from vllm_kvguard.connector.worker import KVGuardWorker
-    from vllm_kvguard.digest.rows import DeviceRowDigests
+    from vllm_kvguard.digest.device_rows import DeviceRowDigests
 
     original = KVGuardWorker._row_digests
 

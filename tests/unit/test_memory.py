@@ -15,7 +15,9 @@ import numpy as np
 import torch
 
 from vllm_kvguard.core.ledger import BlockLedger
-from vllm_kvguard.digest.rows import AxisRows, DeviceRowDigests, RowDigests
+from vllm_kvguard.digest.device_rows import DeviceRowDigests
+from vllm_kvguard.digest.row_access import AxisRows
+from vllm_kvguard.digest.rows import RowDigests
 from vllm_kvguard.digest.syndrome import width
 from vllm_kvguard.digest.table import DigestTable
 

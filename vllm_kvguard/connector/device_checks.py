@@ -22,7 +22,7 @@ from vllm_kvguard.connector.worker_state import WorkerState
 from vllm_kvguard.core.events import Detection
 from vllm_kvguard.core.shapes import Shape
 from vllm_kvguard.digest.checks import PendingCheck
-from vllm_kvguard.digest.rows import RowCheck
+from vllm_kvguard.digest.device_rows import RowCheck
 from vllm_kvguard.digest.table import DeviceDigestTable
 
 

@@ -171,7 +171,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                 },
                 beside=[str(name) for name in extra.get(BESIDE_KEY, ())],
             )
-            if not patches.patch_scheduler():
+            if not patches.patch_scheduler(find_guard):
                 self.scheduler.finish = None  # nothing could hold or put back a final output
             if not self.active:
                 log.line(

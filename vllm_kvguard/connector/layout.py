@@ -16,9 +16,11 @@ import torch
 from vllm_kvguard.config import KVGuardConfig
 from vllm_kvguard.connector import patches
 from vllm_kvguard.digest import rowhash
+from vllm_kvguard.digest.device_rows import DeviceRowDigests
 from vllm_kvguard.digest.kernel import RowGeometry
 from vllm_kvguard.digest.pages import KVPages
-from vllm_kvguard.digest.rows import AxisRows, DeviceRowDigests, HostRows, PackedRows, RowAccess, RowDigests
+from vllm_kvguard.digest.row_access import AxisRows, HostRows, PackedRows, RowAccess
+from vllm_kvguard.digest.rows import RowDigests
 
 
 def slot_axis(page_shape: tuple[int, ...], block_size: int) -> int | None:

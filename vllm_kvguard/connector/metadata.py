@@ -19,7 +19,7 @@ from vllm_kvguard.core.events import Detection
 from vllm_kvguard.core.faults import Injection
 from vllm_kvguard.core.plan import StepPlan
 from vllm_kvguard.core.shapes import Shape
-from vllm_kvguard.digest import PendingCheck
+from vllm_kvguard.digest.checks import PendingCheck
 from vllm_kvguard.digest.kernel import MISMATCH, NONFINITE
 
 # Shared by every step's metadata that has no lost-write rows (read-only; one would be made per

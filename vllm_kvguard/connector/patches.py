@@ -56,7 +56,7 @@ import functools
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from vllm_kvguard.logs import LOGGER_NAME
 
@@ -101,12 +101,22 @@ def patch_engine_config(configure: Callable[[Any], None]) -> bool:
 # ------------------------------------------------------------ Scheduler.update_from_output
 
 
-def patch_scheduler() -> bool:
+class OutputHooks(Protocol):
+    """What the ``update_from_output`` wrapper calls on the guard (the facade implements it):
+    the patches call back through this, never by importing the facade."""
+
+    def before_output(self, vllm_scheduler: Any, scheduler_output: Any, connector_output: Any) -> None: ...
+
+    def after_output(self, vllm_scheduler: Any, outputs: dict[int, Any]) -> None: ...
+
+
+def patch_scheduler(find: Callable[[object], OutputHooks | None]) -> bool:
     """Wrap ``Scheduler.update_from_output`` (see the table above); called by the scheduler side.
-    Returns whether it is wrapped."""
+    ``find(connector)``: the guard inside vLLM's scheduler's connector, or None. Returns whether
+    it is wrapped (once per process: the first ``find`` stays)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    if not _wrap(Scheduler, "update_from_output", _make_update_from_output):
+    if not _wrap(Scheduler, "update_from_output", functools.partial(_make_update_from_output, find)):
         _log.warning(
             "vllm-kvguard: this vLLM has no Scheduler.update_from_output; the guard still logs and counts "
             "every finding but cannot end suspect requests or carry its message into outputs "
@@ -116,11 +126,11 @@ def patch_scheduler() -> bool:
     return True
 
 
-def _make_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
-    from vllm_kvguard.connector.facade import find_guard
-
+def _make_update_from_output(
+    find: Callable[[object], OutputHooks | None], original: Callable[..., Any]
+) -> Callable[..., Any]:
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-        guard = find_guard(getattr(self, "connector", None))
+        guard = find(getattr(self, "connector", None))
         if guard is not None:
             # Device checks settle here (vLLM has already waited for the step's sampled
             # tokens, so the checks queued before them are done) and every finding is acted

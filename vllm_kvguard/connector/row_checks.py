@@ -18,7 +18,7 @@ from vllm_kvguard.connector.metadata import (
 )
 from vllm_kvguard.core.events import Detection
 from vllm_kvguard.core.shapes import Shape
-from vllm_kvguard.digest.rows import DeviceRowDigests
+from vllm_kvguard.digest.device_rows import DeviceRowDigests
 
 
 class RowChecks(DeviceChecks):

@@ -17,7 +17,7 @@ from vllm_kvguard.connector.metadata import (
 )
 from vllm_kvguard.connector.row_checks import RowChecks
 from vllm_kvguard.core.events import Detection
-from vllm_kvguard.digest.rows import DeviceRowDigests, RowCheck
+from vllm_kvguard.digest.device_rows import DeviceRowDigests, RowCheck
 
 
 class Sealing(RowChecks):

@@ -25,9 +25,9 @@ from vllm_kvguard.connector.metadata import KVGuardMetadata, KVGuardWorkerMetada
 from vllm_kvguard.connector.sealing import Sealing
 from vllm_kvguard.core.events import Detection, GuardStarted
 from vllm_kvguard.core.faults import FaultSite
+from vllm_kvguard.digest.device_rows import DeviceRowDigests, RowCheck
 from vllm_kvguard.digest.kernel import kernel_available
 from vllm_kvguard.digest.pages import KVPages
-from vllm_kvguard.digest.rows import DeviceRowDigests, RowCheck
 from vllm_kvguard.digest.table import DeviceDigestTable, DigestTable
 
 

@@ -337,7 +337,7 @@ def test_the_written_rows_buffer_is_the_documented_size() -> None:
     """docs/performance.md, "Memory": 16 MiB (per row its sum and its slot, 8 bytes each, and
     its landing probe: 64 bytes a layer), or 256 rows where that is larger."""
     from vllm_kvguard.connector.layout import WrittenRows
-    from vllm_kvguard.digest.rows import HostRows
+    from vllm_kvguard.digest.row_access import HostRows
 
     one_line = np.array([[1, 0, 0, HostRows.PROBE_WORDS]])
     # kvguard bench's model: 4 layers: 272 bytes a row, 61,680 rows.
@@ -515,7 +515,8 @@ def test_the_fill_check_reads_vllms_cpu_pages_in_place_with_the_digests_of_the_r
     (HostRows.page_rows) does; a changed element is found in its row."""
     from vllm_kvguard.connector.layout import cpu_isa, cpu_slot_elements
     from vllm_kvguard.digest.pages import KVPages
-    from vllm_kvguard.digest.rows import HostRows, PackedRows, RowDigests
+    from vllm_kvguard.digest.row_access import HostRows, PackedRows
+    from vllm_kvguard.digest.rows import RowDigests
 
     page_shape = (heads, block_size, 2 * head)
     isa = cpu_isa("model.layers.0.self_attn.attn", torch.bfloat16, block_size, head)

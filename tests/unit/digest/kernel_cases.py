@@ -394,7 +394,8 @@ if DEVICE == "cuda":
         """What the worker runs each step with row digests on a GPU: clear, roll, record (with
         the lost-write compare), check at seal, the voiding seal, forget; none may wait."""
         from vllm_kvguard.digest import DeviceDigestTable
-        from vllm_kvguard.digest.rows import AxisRows, DeviceRowDigests
+        from vllm_kvguard.digest.device_rows import DeviceRowDigests
+        from vllm_kvguard.digest.row_access import AxisRows
 
         g = torch.Generator().manual_seed(170)
         caches = {
@@ -433,7 +434,8 @@ def test_row_digests_where_the_rows_live_match_the_reference() -> None:
     (on the interpreter's CPU run, the host path's): every layer's row gathered along the slot
     axis, digested bit for bit as the reference defines, and a changed element of a recorded
     row found."""
-    from vllm_kvguard.digest.rows import AxisRows, RowDigests, row_digests_reference
+    from vllm_kvguard.digest.row_access import AxisRows
+    from vllm_kvguard.digest.rows import RowDigests, row_digests_reference
 
     g = torch.Generator().manual_seed(140)
     # vLLM's GPU layout, block-first: (blocks, 2, slots, heads, head), three layers.
@@ -469,7 +471,9 @@ def test_device_row_digests_record_check_and_find_lost_writes_without_reading_ba
     row kernel, or torch where the layout does not allow it); a changed row and a write that
     left the previous owner's row are flagged, read back only through the check's flags;
     rolling, forgetting and clearing act on both the host markers and the device table."""
-    from vllm_kvguard.digest.rows import AxisRows, DeviceRowDigests, row_digests_reference
+    from vllm_kvguard.digest.device_rows import DeviceRowDigests
+    from vllm_kvguard.digest.row_access import AxisRows
+    from vllm_kvguard.digest.rows import row_digests_reference
 
     g = torch.Generator().manual_seed(150)
     caches = [torch.randn((5, 2, 16, 2, 8), generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2)]
@@ -539,7 +543,8 @@ def test_row_kernel_matches_the_reference_bit_for_bit(
 ) -> None:
     """The row kernel (kernel.py RowGeometry): every layer's row of each (block, slot) in one
     launch, bit for bit the digest row_digests_reference defines over what AxisRows gathers."""
-    from vllm_kvguard.digest.rows import AxisRows, row_digests_reference
+    from vllm_kvguard.digest.row_access import AxisRows
+    from vllm_kvguard.digest.rows import row_digests_reference
 
     caches = [_random(shape, dtype, seed=180 + i) for i in range(3)]
     tensors = [t.movedim(1, 0) if layout != "hnd" else t for t in caches]
@@ -572,7 +577,8 @@ def test_the_row_kernel_is_checked_against_torch_at_start_up(
 ) -> None:
     """DeviceRowDigests.try_kernel (the worker calls it once): kept where it agrees with torch;
     dropped for the torch path, with the reason, where it disagrees or fails to build."""
-    from vllm_kvguard.digest.rows import AxisRows, DeviceRowDigests
+    from vllm_kvguard.digest.device_rows import DeviceRowDigests
+    from vllm_kvguard.digest.row_access import AxisRows
 
     caches = [_random((5, 2, 16, 2, 8), torch.bfloat16, seed=200 + i) for i in range(2)]
 
@@ -621,7 +627,8 @@ def test_a_seal_over_changed_rows_is_voided_in_stream_order(kernel: ModuleType) 
     sealed) gets a digest its page cannot match where a row was flagged: a read before the host
     learns of it fails verification; the other pages verify."""
     from vllm_kvguard.digest import DeviceDigestTable
-    from vllm_kvguard.digest.rows import AxisRows, DeviceRowDigests
+    from vllm_kvguard.digest.device_rows import DeviceRowDigests
+    from vllm_kvguard.digest.row_access import AxisRows
 
     caches = {f"l{i}": _random((2, 6, 16, 2, 8), torch.bfloat16, seed=160 + i) for i in range(2)}
     pages = KVPages(caches, block_dim=1, use_kernel=True)

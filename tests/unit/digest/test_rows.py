@@ -6,13 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_kvguard.digest.rows import (
-    AxisRows,
-    PackedRows,
-    RowDigests,
-    row_digests_reference,
-    row_digests_torch,
-)
+from vllm_kvguard.digest.row_access import AxisRows, PackedRows
+from vllm_kvguard.digest.rows import RowDigests, row_digests_reference, row_digests_torch
 
 BS = 4
 
@@ -87,7 +82,7 @@ def test_axis_layout_gathers_the_slot_dimension() -> None:
 
 
 def test_host_rows_read_the_same_bytes_as_torch_and_back_the_digests() -> None:
-    from vllm_kvguard.digest.rows import HostRows
+    from vllm_kvguard.digest.row_access import HostRows
 
     layers = [_packed_cache()[0] for _ in range(2)]
     _, elements = _packed_cache()
@@ -111,7 +106,7 @@ def test_host_rows_read_the_same_bytes_as_torch_and_back_the_digests() -> None:
 
 
 def test_strided_and_element_map_gathers_read_the_same_rows() -> None:
-    from vllm_kvguard.digest.rows import HostRows, strided_parts
+    from vllm_kvguard.digest.row_access import HostRows, strided_parts
 
     layers = [_packed_cache(9)[0] for _ in range(3)]
     _, elements = _packed_cache(9)
@@ -144,7 +139,7 @@ def test_strided_and_element_map_gathers_read_the_same_rows() -> None:
 
 
 def test_layers_in_one_buffer_are_read_through_one_view_each_part() -> None:
-    from vllm_kvguard.digest.rows import HostRows
+    from vllm_kvguard.digest.row_access import HostRows
 
     _, elements = _packed_cache(9)
     # As vLLM allocates them: every layer a view into one buffer, evenly spaced.
@@ -183,7 +178,7 @@ def test_rows_kept_as_written_in_one_call_are_what_record_keeps() -> None:
     page; rows not in the order written, or pages not on 64-bit words, are left to the caller
     (None, tables untouched)."""
     from vllm_kvguard.digest import rowhash
-    from vllm_kvguard.digest.rows import HostRows
+    from vllm_kvguard.digest.row_access import HostRows
 
     _, elements = _packed_cache(9)
     buffer = torch.randn(3, 9, 2, BS, 16)
@@ -241,7 +236,7 @@ def test_rows_of_a_copy_of_whole_pages_are_the_rows_gathered_from_the_pool(dtype
     recorded and ignores rows not asked for."""
     from vllm_kvguard.digest import rowhash
     from vllm_kvguard.digest.pages import KVPages
-    from vllm_kvguard.digest.rows import HostRows
+    from vllm_kvguard.digest.row_access import HostRows
 
     _, elements = _packed_cache(9)
     buffer = torch.randn(3, 9, 2, BS, 16).to(dtype)
@@ -300,7 +295,7 @@ def test_check_pages_in_one_compiled_call_finds_what_gathering_the_rows_finds(
     and counts the same rows and pages as gathering the checked rows out of the pool; a
     changed row that is not checked (below or past the last checked one) is never reported."""
     from vllm_kvguard.digest import rowhash
-    from vllm_kvguard.digest.rows import HostRows
+    from vllm_kvguard.digest.row_access import HostRows
 
     assert rowhash.compiled() is not None, rowhash.backend()
     bs = 16
