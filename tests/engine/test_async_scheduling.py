@@ -58,7 +58,7 @@ def test_a_hit_in_the_step_scheduled_ahead_is_healed_not_failed(
 ) -> None:
     # Repair on (the default): the one-bit fault is mended in place before B's forward. (With
     # repair off, vLLM's own recompute of the invalid block crashes the CPU model runner under
-    # async scheduling, with or without this fix: docs/design.md, "Async scheduling".)
+    # async scheduling, with or without this fix: docs/design/outcomes.md, "Async scheduling".)
     log = tmp_path / "guard.jsonl"
     env = guard_env("quarantine", log, VLLM_KVGUARD_REPAIR="1")
     with engine(tiny_model, env, num_gpu_blocks_override=40, async_scheduling=True) as llm:

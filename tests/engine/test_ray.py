@@ -6,7 +6,7 @@ the default, and the older ``RayDistributedExecutor``) stop in ``initialize_ray_
 ``ValueError: current platform cpu does not support ray.``, guard on or off. This test starts a
 real local Ray cluster (Ray from the package index), asks for tensor parallelism 2 on it, and
 pins that error, guard on and off, for both executors: the day a vLLM build lifts it, this test
-fails and the Ray case of docs/design.md ("Across machines") becomes a real one.
+fails and the Ray case of docs/design/parallel.md ("Across machines") becomes a real one.
 
 What the Ray executors would run is tested elsewhere on the multiprocessing executor:
 ``RayExecutorV2`` subclasses ``MultiprocExecutor`` and its actors subclass ``WorkerProc`` (the

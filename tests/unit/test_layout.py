@@ -1,4 +1,4 @@
-"""The package's shape (docs/design.md, "Layout"): modules small enough to read, split by
+"""The package's shape (docs/design.md, "Layers"): modules small enough to read, split by
 concern, and no import loop among them. grimp (import-linter's graph) reads every import,
 those inside functions and under TYPE_CHECKING included."""
 

@@ -379,7 +379,7 @@ class KVGuardHMAConnector(KVGuardConnector, SupportsHMA):
     With one KV cache group it guards as usual. With several (a hybrid model) vLLM
     cannot map a bad block back to requests (``_handle_invalid_blocks`` refuses
     several groups), so the guard stands aside: ``kvguard_inactive`` at start-up,
-    nothing sealed, serving unchanged (docs/design.md, "Hybrid models").
+    nothing sealed, serving unchanged (docs/design/parallel.md, "Hybrid models").
     """
 
     def request_finished_all_groups(

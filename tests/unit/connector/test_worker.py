@@ -312,7 +312,7 @@ def test_an_error_keeping_written_rows_is_internal_and_the_rows_are_read_back(
 def test_without_numba_rows_are_read_back_and_the_start_up_line_says_why(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """design.md, "Decisions": where numba cannot be used, numpy computes the same digests and
+    """docs/design/decisions.md: where numba cannot be used, numpy computes the same digests and
     every row is read back out of its page after the forward; the worker's start-up line names
     the reason."""
     monkeypatch.setattr(rowhash, "_compiled", None)

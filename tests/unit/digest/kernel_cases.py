@@ -1,5 +1,5 @@
 """The KVG64 page-digest kernel, bit for bit against the numpy reference that defines the
-digest (docs/design.md, "Page digests on the device"), run by Triton's interpreter on CPU or,
+digest (docs/design/device.md), run by Triton's interpreter on CPU or,
 with ``KVGUARD_KERNEL_DEVICE=cuda``, compiled for a GPU (benchmarks/gpu_check.sh).
 
 Run by tests/unit/digest/test_kernel.py in its own process with TRITON_INTERPRET=1: Triton reads
