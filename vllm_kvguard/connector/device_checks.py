@@ -27,6 +27,8 @@ from vllm_kvguard.digest.table import DeviceDigestTable
 
 
 class DeviceChecks(WorkerState):
+    """Device checks queued in a step and settled later (module docstring)."""
+
     def _defer_rows(
         self,
         check: RowCheck | None,

@@ -16,6 +16,8 @@ from vllm_kvguard.core.faults import FaultKind, FaultSite, Injection
 
 
 class Drills(WorkerState):
+    """Fire-drill faults carried out on this worker's pages (module docstring)."""
+
     def _snapshot_lost(self, meta: KVGuardMetadata) -> None:
         """Before the forward: the rows a ``lost_write`` fault will make not to land."""
         self._unlanded = {}

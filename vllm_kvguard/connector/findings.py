@@ -36,6 +36,8 @@ def _slots(d: Detection) -> list[int]:
 
 
 class Findings(SchedulerState):
+    """One handler per finding kind (module docstring)."""
+
     def _handle_corruption(self, block: int, detections: list[Detection]) -> None:
         first = detections[0]
         step = min(d.step for d in detections)

@@ -27,6 +27,8 @@ from vllm_kvguard.connector.findings import Findings
 
 
 class Planning(Findings):
+    """What the scheduler adds to the ledger's plan of a step (module docstring)."""
+
     def _check_identity(self, plan: StepPlan, meta: KVGuardMetadata) -> None:
         """Record what each page sealed this step holds; check every prefix-cache hit against
         the reader's own fingerprint for that position, before the forward that reads it."""

@@ -22,6 +22,8 @@ from vllm_kvguard.digest.device_rows import DeviceRowDigests
 
 
 class RowChecks(DeviceChecks):
+    """Unfilled pages' rows checked on the host or queued on the device (module docstring)."""
+
     def _verify_rows(self, meta: KVGuardMetadata, block_ids: list[int], trigger: str) -> set[int]:
         """Unfilled pages: re-hash their written rows (digest/rows.py) and compare. Returns the
         pages that changed (reported unreadable outside log mode, their rows forgotten)."""

@@ -52,6 +52,8 @@ class Holder:
 
 
 class SchedulerState:
+    """The scheduler side's state and its actions on vLLM (module docstring)."""
+
     def __init__(
         self,
         config: KVGuardConfig,

@@ -21,6 +21,8 @@ from vllm_kvguard.digest.device_rows import DeviceRowDigests, RowCheck
 
 
 class Sealing(RowChecks):
+    """The worker after the forward (module docstring); :meth:`wait_for_save` drives it."""
+
     def _rows_on_device(self, meta: KVGuardMetadata, seal: list[int]) -> RowCheck | None:
         """:meth:`_rows_after_forward` where the row digests live on the device: the same
         checks, compared there and read with the step's output (nothing here waits for the

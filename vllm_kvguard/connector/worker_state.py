@@ -31,6 +31,8 @@ from vllm_kvguard.logs import GuardLog
 
 
 class WorkerState:
+    """The worker side's state, shared by every layer of the worker (module docstring)."""
+
     def __init__(
         self, config: KVGuardConfig, num_blocks: int, rank: int, log: GuardLog, *, block_size: int = 0
     ) -> None:

@@ -29,6 +29,8 @@ from vllm_kvguard.core.plan import (
 
 
 class LedgerState:
+    """The ledger's state and bookkeeping (module docstring); :class:`BlockLedger` plans on it."""
+
     def __init__(self, num_blocks: int, block_size: int, read_every: int = 1) -> None:
         if read_every < 1:
             raise ValueError(f"read_every must be a positive number of steps, not {read_every}")

@@ -22,6 +22,8 @@ from vllm_kvguard.core.plan import (
 
 
 class ReadSweep(LedgerState):
+    """Which pages of running requests a step verifies (module docstring)."""
+
     # Up to this many pages read in a step are deduplicated without numpy's sort.
     _SMALL_READS = 64
     # Up to this many are checked and marked in Python (:meth:`_few_reads`).
