@@ -139,7 +139,7 @@ def keep_written(blocks, slots, flat, block_size, sums, probe, land, spec, rows,
     # First every cache line the check reads, with loads independent of one another (one
     # store a row, to ``same`` as scratch): after a forward the pages and the previous owner's
     # rows are out of cache, and misses the core issues together cost a fraction of misses
-    # taken one by one (benchmarks/landing_probe.py). The check itself follows.
+    # taken one by one. The check itself follows.
     for r in range(n):
         f = flat[r]
         hit = (previous[f] != _U(0)) & (rows[f] != _U(1))  # (both lines: read, then written)

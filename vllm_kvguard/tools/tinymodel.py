@@ -8,6 +8,7 @@ init gives near-uniform logits, which would hide a corrupted page).
 
 from __future__ import annotations
 
+import fcntl
 import json
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,6 @@ def build_tiny_model(
     ``nan_word``: the embedding of word ``w<nan_word>`` is NaN, a stand-in for a
     model that computes non-finite KV (every page written after it holds NaN).
     """
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
-
     out = Path(path)
     spec = {
         "layers": layers,
@@ -59,6 +56,33 @@ def build_tiny_model(
     marker = out / _MARKER
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time (test workers in parallel, a drill beside them): the others wait,
+    # then find it built.
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists() and json.loads(marker.read_text()) == spec:
+            return out
+        _build(out, spec, layers, hidden, heads, kv_heads, seed, family, nan_word)
+    return out
+
+
+def _build(
+    out: Path,
+    spec: dict[str, Any],
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    seed: int,
+    family: str,
+    nan_word: int | None,
+) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+    marker = out / _MARKER
     out.mkdir(parents=True, exist_ok=True)
 
     vocab = {tok: i for i, tok in enumerate(_SPECIAL + vocabulary())}
@@ -108,7 +132,6 @@ def build_tiny_model(
             embeddings.weight[vocab[f"w{nan_word}"]] = float("nan")
     _save_quietly(model, out)
     marker.write_text(json.dumps(spec))
-    return out
 
 
 def _save_quietly(model: Any, out: Path) -> None:

@@ -249,7 +249,7 @@ def test_the_seal_scratch_is_the_documented_size() -> None:
 
     doc = (Path(__file__).parents[3] / "docs" / "performance.md").read_text()
     assert "`KVPages.SCRATCH_BYTES`: 4 MiB, or one block of every layer where that is" in doc
-    assert "since 2026-12-05 the seal reads\nthem in place and keeps no copy" in doc
+    assert "The seal reads pages in place in the pool and keeps no copy" in doc
     small = KVPages({f"l{i}": torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16) for i in range(4)})
     assert small.reads_in_place
     small.seal_facts([1], check_finite=True)
