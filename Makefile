@@ -9,8 +9,12 @@ setup:
 demo: setup
 	.venv/bin/kvguard drill
 
+# The tests in parallel (pytest-xdist): each worker runs its own engines (in-process engines use
+# one thread); tests that wait on a server or a timed load overlap with the others.
+TEST_WORKERS ?= 2
+
 test: setup lint package vllm034
-	$(PY) -m pytest -v
+	$(PY) -m pytest -v -n $(TEST_WORKERS) --dist worksteal
 
 # The sdist and wheel as they would be published (isolated build), checked by twine.
 package: setup
