@@ -14,7 +14,7 @@ demo: setup
 TEST_WORKERS ?= 2
 
 test: setup lint package vllm034
-	$(PY) -m pytest -v -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -v -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The sdist and wheel as they would be published (isolated build), checked by twine.
 package: setup

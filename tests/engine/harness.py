@@ -39,6 +39,7 @@ def engine(model: str, env: dict[str, str], **overrides: Any) -> Iterator[Any]:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     llm = None
+    gc.freeze()  # (see below)
     try:
         llm = LLM(model=model, **{**ENGINE_ARGS, **overrides})
         yield llm
@@ -52,6 +53,10 @@ def engine(model: str, env: dict[str, str], **overrides: Any) -> Iterator[Any]:
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
+        # What is left is long-lived (modules, fixtures): frozen, so that the next engine's
+        # start-up collections (vLLM collects every generation several times) walk only what
+        # is new. vLLM's shutdown unfreezes everything again, so nothing stays uncollectable.
+        gc.freeze()
 
 
 def guard_env(mode: str, log_file: Path, **extra: str) -> dict[str, str]:
