@@ -1,7 +1,7 @@
 """Load under faults, with a real client against the real OpenAI server.
 
     python benchmarks/load.py                          # ~10 minutes: 2-minute phases
-    python benchmarks/load.py --phase-seconds 20 --json # the short version the tests run
+    python benchmarks/load.py --phase-seconds 12 --round-seconds 6 --json # about the tests' run
 
 What it does, on loopback only (every server on 127.0.0.1, every loop bounded in time and count):
 

@@ -1,7 +1,7 @@
 """Soak: one guard-on OpenAI server under steady traffic, its memory sampled over time.
 
     python benchmarks/soak.py --minutes 30                      # the long run (a benchmark)
-    python benchmarks/soak.py --minutes 1.5 --sample-seconds 5 --json   # the tests' short run
+    python benchmarks/soak.py --minutes 1 --sample-seconds 6 --json   # the tests' short run
 
 Steady traffic on loopback (``--concurrency`` clients, half streaming, every 4th streaming
 client hanging up after two chunks, i.e. a client disconnect mid-stream that vLLM aborts),

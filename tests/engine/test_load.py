@@ -33,8 +33,8 @@ def _script(name: str, *args: str, timeout: int) -> dict[str, Any]:
 
 def test_load_with_faults_serves_no_silent_wrong_text(tiny_model: str, tmp_path: Path) -> None:
     report = _script(
-        "load.py", "--model", tiny_model, "--concurrency", "32", "--phase-seconds", "20",
-        "--round-seconds", "10", "--faults", "bitflip:rate=0.05,seed=1;zero:rate=0.05,seed=2",
+        "load.py", "--model", tiny_model, "--concurrency", "32", "--phase-seconds", "12",
+        "--round-seconds", "6", "--faults", "bitflip:rate=0.05,seed=1;zero:rate=0.05,seed=2",
         "--modes", "quarantine,log", "--workdir", str(tmp_path), timeout=1200,
     )  # fmt: skip
     # The clean reference was taken twice and agreed (the script stops otherwise); the guard-on
@@ -63,7 +63,7 @@ def test_load_with_faults_serves_no_silent_wrong_text(tiny_model: str, tmp_path:
 
 def test_soak_leaves_nothing_behind_and_memory_flat(tiny_model: str, tmp_path: Path) -> None:
     report = _script(
-        "soak.py", "--model", tiny_model, "--minutes", "1.5", "--sample-seconds", "10",
+        "soak.py", "--model", tiny_model, "--minutes", "1", "--sample-seconds", "6",
         "--concurrency", "24", "--faults", "bitflip:rate=0.02,seed=4", "--workdir", str(tmp_path),
         timeout=900,
     )  # fmt: skip
