@@ -9,8 +9,8 @@ setup:
 demo: setup
 	.venv/bin/kvguard drill
 
-# The tests in parallel (pytest-xdist): each worker runs its own engines (in-process engines use
-# one thread); tests that wait on a server or a timed load overlap with the others.
+# The tests in parallel (pytest-xdist): a module per worker at a time, so module fixtures (servers
+# among them) start once; the slowest modules first (tests/conftest.py, SLOW_MODULES).
 TEST_WORKERS ?= 2
 
 test: setup lint package vllm034
