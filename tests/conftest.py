@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # time (`--dist loadfile`: module fixtures, servers included, start once); the longest modules
 # go first so that the workers finish together. Any order passes: this only saves time.
 SLOW_MODULES = {
-    "tests/engine/test_device_path.py": 355,
     "tests/engine/test_load.py": 305,
     "tests/engine/test_drill.py": 220,
+    "tests/engine/test_device_path.py": 170,
     "tests/engine/test_parallel.py": 120,
     "tests/engine/test_features.py": 90,
     "tests/engine/test_core.py": 80,

@@ -93,6 +93,19 @@ if triton is not None:
         return a ^ b
 
     @triton.jit
+    def _xor_all(x, LOG_N: tl.constexpr, FOLD: tl.constexpr):  # type: ignore[no-untyped-def]
+        """The XOR of the 2**LOG_N words of ``x``. Compiled: one reduction. Under Triton's
+        interpreter (FOLD), which runs a custom combine function once per element in Python,
+        the same XOR as LOG_N folds of halves, each one numpy operation."""
+        if FOLD:
+            for i in tl.static_range(LOG_N):
+                low, high = tl.split(tl.reshape(x, [1 << (LOG_N - 1 - i), 2]))
+                x = low ^ high
+            return tl.sum(x, axis=0)  # one word left
+        else:
+            return tl.reduce(x, 0, _xor)
+
+    @triton.jit
     def _kvg64_kernel(  # type: ignore[no-untyped-def]
         base_ptr,  # uint8: the first layer's whole storage; every layer is addressed from it
         layer_origins_ptr,  # int64 [layers]: byte offset of each layer's block 0 from base_ptr
@@ -121,6 +134,7 @@ if triton is not None:
         BLOCK: tl.constexpr,
         LOG_BLOCK: tl.constexpr,  # log2(BLOCK); with SYNDROMES every run but the last is whole BLOCKs
         HIGH_BITS: tl.constexpr,  # a power of two >= the page's word-address bits above LOG_BLOCK
+        FOLD_XOR: tl.constexpr,  # XOR reductions as folds (under the interpreter: see _xor_all)
     ):
         page = tl.program_id(0)
         slot = tl.program_id(1)
@@ -165,7 +179,7 @@ if triton is not None:
                     low_acc ^= x
                     chunk_start = first_word + w
                     high_set = ((chunk_start >> (LOG_BLOCK + high_bits)) & 1) != 0
-                    high_acc ^= tl.where(high_set, tl.reduce(x, 0, _xor), 0)
+                    high_acc ^= tl.where(high_set, _xor_all(x, LOG_BLOCK, FOLD_XOR), 0)
                 if CHECK_FINITE:
                     # (x & mask) + low sets a lane's sign bit iff all its exponent bits are set.
                     hit = ((x & exp_mask.to(tl.uint64)) + exp_low.to(tl.uint64)) & lane_sign.to(tl.uint64)
@@ -185,10 +199,10 @@ if triton is not None:
             tl.store(table_ptr + block * num_layers + layer, digest)
             if SYNDROMES:
                 syn = syn_ptr + (block * num_layers + layer) * syn_words
-                tl.store(syn, tl.reduce(low_acc, 0, _xor).to(tl.int64, bitcast=True))
+                tl.store(syn, _xor_all(low_acc, LOG_BLOCK, FOLD_XOR).to(tl.int64, bitcast=True))
                 for b in tl.static_range(LOG_BLOCK):
                     on = ((lanes >> b) & 1) != 0
-                    word = tl.reduce(tl.where(on, low_acc, 0), 0, _xor).to(tl.int64, bitcast=True)
+                    word = _xor_all(tl.where(on, low_acc, 0), LOG_BLOCK, FOLD_XOR).to(tl.int64, bitcast=True)
                     tl.store(syn + 1 + b, word, mask=1 + b < syn_words)
                 column = 1 + LOG_BLOCK + high_bits
                 tl.store(syn + column, high_acc.to(tl.int64, bitcast=True), mask=column < syn_words)
@@ -254,6 +268,18 @@ if triton is not None:
             recorded = tl.load(table_ptr + entry)
             tl.store(other_ptr + row, recorded)
             tl.store(flags_ptr + row, (digest != recorded).to(tl.uint8))
+
+
+# Whether an interpreted launch folds its XOR reductions (``_xor_all``): the kernel's syndromes
+# then cost a few numpy operations a chunk instead of a Python call a word. A compiled kernel
+# always reduces (FOLD_XOR is a constexpr: its fold is never compiled). Tests set this False to
+# run the compiled kernel's reduction under the interpreter too (tests/unit/digest/kernel_cases.py).
+FOLD_XOR = True
+
+
+def interpreted() -> bool:
+    """Whether the kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` when they were built)."""
+    return triton is not None and type(_kvg64_kernel).__name__ == "InterpretedFunction"
 
 
 def kernel_available(device: torch.device) -> bool:
@@ -419,6 +445,7 @@ class PageGeometry:
             BLOCK=block,
             LOG_BLOCK=block.bit_length() - 1,
             HIGH_BITS=high_bits,
+            FOLD_XOR=FOLD_XOR and interpreted(),
             **tuning,
         )
         return out, flags

@@ -286,9 +286,21 @@ def _reference_syndromes(t: torch.Tensor, blocks: list[int]) -> np.ndarray:
         ("cpu", (5, 4, 16, 64), 64, 64),
     ],
 )
+@pytest.mark.parametrize("reduction", ["fold", "reduce"])
 def test_seal_stores_the_syndromes_bit_for_bit(
-    kernel: ModuleType, dtype: torch.dtype, layout: str, shape, block: int, fused: int | None
+    kernel: ModuleType,
+    dtype: torch.dtype,
+    layout: str,
+    shape,
+    block: int,
+    fused: int | None,
+    reduction: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Under the interpreter the XOR reductions are folds unless FOLD_XOR is off: "reduce" runs
+    # the reduction a GPU compiles (on a GPU both run it).
+    assert kernel.interpreted() == (DEVICE == "cpu")
+    monkeypatch.setattr(kernel, "FOLD_XOR", reduction == "fold")
     tensors = _layers(dtype, 2, shape, seed=100 + DTYPES.index(dtype))
     paged = [t.movedim(1, 0) if layout == "kv_first" else t for t in tensors]
     geometry = kernel.PageGeometry(paged, page_runs(paged[0][0]))
