@@ -38,6 +38,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
         "--workdir", default=None, help="keep reports and server logs here (default: a temp folder)"
     )
     p.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    p.add_argument(
+        "--max-tokens", type=int, default=MAX_TOKENS, help=f"tokens per completion (default {MAX_TOKENS})"
+    )
     return p
 
 
@@ -48,6 +51,10 @@ def prepare(p: argparse.ArgumentParser, args: argparse.Namespace, faults: str) -
     from vllm_kvguard.errors import KVGuardConfigError
     from vllm_kvguard.tools.tinymodel import build_tiny_model
 
+    global MAX_TOKENS
+    if not 1 <= args.max_tokens <= 1024:
+        p.error(f"--max-tokens {args.max_tokens}: expected 1..1024")
+    MAX_TOKENS = args.max_tokens  # every completion this process sends (one() reads it)
     if faults:
         try:
             parse_fault_spec(faults, variable="--faults")

@@ -10,13 +10,38 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+def _a_core_per_worker() -> None:
+    """Under pytest-xdist, each worker's engines compute on a core of their own.
+
+    A vLLM CPU engine in its own process binds its OpenMP threads when it starts; with
+    ``VLLM_CPU_OMP_THREADS_BIND=auto`` (vLLM's default) on a 2-core machine every engine takes
+    core 0 and leaves core 1 to the rest, so two workers' engines would share one core while the
+    other idled. Each worker binds its engines to its own core, and torch in the worker (in-process
+    engines) runs one thread. An operator's own VLLM_CPU_OMP_THREADS_BIND or OMP_NUM_THREADS stands.
+    The worker's children (drills, servers, the interpreter runs' own workers) inherit this;
+    ``KVGUARD_TESTS_CORE`` marks the value as this function's, so a nested run re-assigns it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    cores = sorted(os.sched_getaffinity(0))
+    if not worker.startswith("gw") or len(cores) < 2:
+        return
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if bind is not None and bind != os.environ.get("KVGUARD_TESTS_CORE"):
+        return
+    core = str(cores[int(worker.removeprefix("gw")) % len(cores)])
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = os.environ["KVGUARD_TESTS_CORE"] = core
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+_a_core_per_worker()
+
 # Seconds a module's tests take on one core (`pytest --durations`, 2 vCPUs, 2026-12-07), for the
 # modules that take longest. `make test` runs the tests in parallel, a module per worker at a
 # time (`--dist loadfile`: module fixtures, servers included, start once); the longest modules
 # go first so that the workers finish together. Any order passes: this only saves time.
 SLOW_MODULES = {
-    "tests/engine/test_load.py": 305,
-    "tests/engine/test_drill.py": 220,
+    "tests/engine/test_drill.py": 330,
+    "tests/engine/test_load.py": 290,
     "tests/engine/test_device_path.py": 170,
     "tests/engine/test_parallel.py": 120,
     "tests/engine/test_features.py": 90,
