@@ -41,12 +41,19 @@ def register() -> None:
     patches.quiet_unknown_variable_warnings()
     patches.patch_openai_errors()
     patches.guard_kernel_scan()
+    patches.keep_cores_for_the_forward(guard_alone)
     _install_config_error_hook()
     if not patches.patch_engine_config(_add_guard) and load_config().enabled:
         raise RuntimeError(
             "vllm-kvguard: this vLLM has no EngineArgs.create_engine_config, so VLLM_KVGUARD=1 cannot "
             "add the guard to the engine; see the supported versions in the README"
         )
+
+
+def guard_alone(vllm_config: Any) -> bool:
+    """Whether the guard is the engine's only KV connector (not beside a transfer connector)."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    return ktc is not None and getattr(ktc, "kv_connector", None) in (CONNECTOR, HMA_CONNECTOR)
 
 
 def _install_config_error_hook() -> None:

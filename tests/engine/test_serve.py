@@ -36,6 +36,8 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     guard = {"VLLM_KVGUARD": "1", "VLLM_KVGUARD_INJECT": "bitflip:count=1,seed=3"}
+    # vLLM's default core binding, as an operator runs it (the tests otherwise bind per worker).
+    guard["VLLM_CPU_OMP_THREADS_BIND"] = "auto"
     with serve(tiny_model, tmp_path_factory.mktemp("serve"), guard) as running:
         yield running
 
@@ -159,6 +161,15 @@ def test_corruption_moves_metrics_and_fires_the_alert(server: dict[str, Any], pr
     (alert,) = wait(firing, 90, "KVCacheCorruptionDetected to fire in Prometheus")
     assert alert["labels"]["severity"] == "page"
     assert alert["labels"]["model_name"] == "tiny" and alert["labels"]["engine"] == "0"
+
+
+def test_the_guard_keeps_the_cores_plain_vllm_keeps(server: dict[str, Any]) -> None:
+    """vLLM's CPU executor keeps one core per worker from the forward for the scheduler and one
+    more for a KV transfer connector; the guard is no transfer, so the server keeps one
+    (tests/unit/test_plugin.py has vLLM's own count, two, as the control)."""
+    text = (server["work"] / "server.log").read_text()
+    assert "local_world_size=1, reserve_cpu_num=1" in text
+    assert "should be greater than reserved CPU core number" not in text
 
 
 def test_server_log_has_none_of_the_misleading_start_up_lines(server: dict[str, Any]) -> None:

