@@ -17,6 +17,10 @@ What it does, on loopback only (every server on 127.0.0.1, every loop bounded in
    (the contract: 0), errors by cause. ``log`` mode is the control: it heals nothing, so differing
    (flagged) responses there show the faults do change the text.
 
+With ``--floor empty`` (or ``facade``) the guard-on server of steps 1-2 runs the guard's connector
+with empty hooks (or its facade with idle sides, as ``profile_hooks.py --floor``): what vLLM's
+calls to a KV connector cost a user of the server, under the guard's own cost.
+
 The report (``--json``: one JSON object on stdout) is written to ``<workdir>/load.json`` too.
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -138,6 +143,17 @@ def faulted(
     }
 
 
+def _guard_on(floor: str | None) -> dict[str, str]:
+    """The guard-on server's environment: the guard, or with ``floor`` that floor in its place
+    (installed in every server process by ``server_floor/sitecustomize.py``)."""
+    env = {"VLLM_KVGUARD": "1"}
+    if floor is not None:
+        site = str(Path(__file__).resolve().parent / "server_floor")
+        env["KVGUARD_BENCH_FLOOR"] = floor
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     p = loadgen.parser(__doc__ or "")
     p.add_argument("--concurrency", type=int, default=48)
@@ -145,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--round-seconds", type=float, default=10.0)
     p.add_argument("--faults", default=FAULTS, help=f"drill spec (VLLM_KVGUARD_INJECT), default {FAULTS}")
     p.add_argument("--modes", default="quarantine,log", help="guard modes for the fault phase")
+    p.add_argument(
+        "--floor",
+        choices=("empty", "facade"),
+        default=None,
+        help="the guard-on server of the interleaved rounds runs this floor instead (see above)",
+    )
     args = p.parse_args(argv)
     if not 1 <= args.concurrency <= 256:
         p.error(f"--concurrency {args.concurrency}: 1..256")
@@ -163,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         prompts = loadgen.prompt_mix()
         report: dict[str, Any] = {
+            "floor": args.floor,
             "concurrency": args.concurrency,
             "phase_seconds": args.phase_seconds,
             "prompts": len(prompts),
@@ -171,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         with (
             serve(model, work, {"VLLM_KVGUARD": "0"}, args=server_args, name="off") as off,
-            serve(model, work, {"VLLM_KVGUARD": "1"}, args=server_args, name="on") as on,
+            serve(model, work, _guard_on(args.floor), args=server_args, name="on") as on,
         ):
             print(f"servers up in {time.monotonic() - t0:.0f}s; reference run", file=sys.stderr, flush=True)
             ref = _reference(off, prompts, args.concurrency)
