@@ -114,3 +114,60 @@ def test_submodules_import_names_from_their_defining_module_not_their_package() 
                         f"{path.relative_to(PACKAGE.parent)}: from {node.module} import {alias.name}"
                     )
     assert found == []
+
+
+# The engine core's side of the guard runs inside vLLM's schedule() and update_from_output(), on
+# the engine core's main thread, beside its input and output threads. numpy's sorts (unique,
+# sort, argsort, searchsorted, isin...) and compiled loops declared nogil let go of the GIL, and
+# one of those threads then takes it: vLLM's step waits for work that would otherwise overlap
+# the forward (docs/design/decisions.md, "The GIL").
+SCHEDULER_SIDE = [
+    "core/ledger.py",
+    "core/ledger_state.py",
+    "core/reads.py",
+    "core/scrub.py",
+    "core/_plankernels.py",
+    "connector/scheduler.py",
+    "connector/scheduler_state.py",
+    "connector/planning.py",
+    "connector/findings.py",
+    "connector/views.py",
+    "connector/finish.py",
+    "digest/identity.py",
+]
+GIL_RELEASING = {
+    "unique",
+    "sort",
+    "argsort",
+    "lexsort",
+    "searchsorted",
+    "isin",
+    "in1d",
+    "intersect1d",
+    "setdiff1d",
+}
+
+
+def _gil_releasing_calls(source: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and owner.id == "np" and node.func.attr in GIL_RELEASING:
+                found.append(f"line {node.lineno}: np.{node.func.attr}")
+            elif node.func.attr == "argsort":
+                found.append(f"line {node.lineno}: .argsort")
+        if isinstance(node, ast.keyword) and node.arg == "nogil":
+            found.append(f"line {node.value.lineno}: nogil")
+    return found
+
+
+def test_the_rule_finds_what_it_forbids() -> None:
+    bad = "import numpy as np\n@numba.njit(nogil=True)\ndef f(a):\n    return np.unique(a), a.argsort()\n"
+    assert len(_gil_releasing_calls(bad)) == 3
+    assert _gil_releasing_calls("import numpy as np\nx = sorted(set(np.asarray([1]).tolist()))\n") == []
+
+
+def test_the_scheduler_side_keeps_the_gil() -> None:
+    found = {m: _gil_releasing_calls((PACKAGE / m).read_text()) for m in SCHEDULER_SIDE}
+    assert {m: f for m, f in found.items() if f} == {}

@@ -33,7 +33,7 @@ import numpy as np
 
 from vllm_kvguard.connector.metadata import KVGuardMetadata
 from vllm_kvguard.core.ledger import BlockLedger
-from vllm_kvguard.core.plan import FILLING, SEALED
+from vllm_kvguard.core.plan import FILLING, SEALED, block_array
 
 
 @dataclass
@@ -89,13 +89,15 @@ class FinishCheck:
         if len(new) == 1:
             pages, filling = new[0].pages, new[0].filling
         else:
-            pages = np.unique(np.concatenate([h.pages for h in new]))
-            filling = np.unique(np.concatenate([h.filling for h in new]))
+            # (Sets, not np.unique: docs/design/decisions.md, "The GIL".)
+            pages = block_array(sorted(set(np.concatenate([h.pages for h in new]).tolist())))
+            filling = block_array(sorted(set(np.concatenate([h.filling for h in new]).tolist())))
         # Pages freed or quarantined since (another finding) are no longer theirs to verify.
         pages = pages[self.ledger.state[pages] == SEALED]
         filling = filling[self.ledger.state[filling] == FILLING]
         if meta.plan.verify or meta.scrub:  # verified this step anyway
-            pages = pages[~np.isin(pages, np.asarray(meta.plan.verify + meta.scrub, dtype=np.int64))]
+            anyway = set(meta.plan.verify) | set(meta.scrub)
+            pages = block_array([b for b in pages.tolist() if b not in anyway])
         meta.finish = pages.tolist()
         meta.finish_filling = filling.tolist()
         meta.release = [h.req_id for h in new]

@@ -138,7 +138,7 @@ class Planning(Findings):
         if len(meta.lost_write_rows) and not meta.inject:
             # A page's first writes of its new owner: what they replace is the previous owner's.
             given = set(plan.given)
-            checked = np.unique(plan.written_blocks[meta.lost_write_rows]).tolist()
+            checked = sorted(set(plan.written_blocks[meta.lost_write_rows].tolist()))
             first = [b for b in checked if b in given]
             meta.inject = self.faults.inject(plan.step, first, self._num_layers, FaultSite.FORWARD)
         if meta.loaded is not None and not meta.inject:

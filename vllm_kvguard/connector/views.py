@@ -4,6 +4,7 @@ arrays, and what a request's pages are computed from (its inputs, for page ident
 
 from __future__ import annotations
 
+import bisect
 import functools
 from typing import TYPE_CHECKING, Any
 
@@ -159,7 +160,11 @@ def step_views(
     if grown:
         index = np.fromiter(grown, dtype=np.int64, count=len(grown))
         if at is not None:
-            index = np.searchsorted(at, index)  # positions among the decodes
+            # Positions among the decodes (bisect, not np.searchsorted: docs/design/decisions.md, "The GIL").
+            among = at.tolist()
+            index = np.fromiter(
+                (bisect.bisect_left(among, i) for i in index.tolist()), dtype=np.int64, count=len(index)
+            )
         decodes.grown = index
         decodes.grown_blocks = np.fromiter(grown.values(), dtype=np.int64, count=len(grown))
     return views, decodes

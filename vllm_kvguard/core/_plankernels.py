@@ -8,7 +8,7 @@ from __future__ import annotations
 import numba
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True)
 def place_decodes(nc, rows, table, table_len, block_size, out):
     # Where each decode of a step writes its one row: decode i has computed nc[i] tokens and
     # mirror row rows[i], so it writes slot nc[i] % block_size of the page at table position
@@ -37,7 +37,7 @@ def place_decodes(nc, rows, table, table_len, block_size, out):
     return fills, begun, short
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True)
 def grow_decodes(
     grown,
     blocks,
@@ -112,7 +112,7 @@ def grow_decodes(
     return 0, sealed
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True)
 def close_decodes(
     blocks,
     slots,

@@ -322,7 +322,8 @@ class BlockLedger(ReadSweep):
         go through :meth:`_allocate` one request at a time, with its messages."""
         states = self.state[blocks]
         odd = (states == QUARANTINED) | (states == FILLING)
-        if np.count_nonzero(odd) or len(np.unique(blocks)) != len(blocks):
+        # (A set, not np.unique: docs/design/decisions.md, "The GIL".)
+        if np.count_nonzero(odd) or len(set(blocks.tolist())) != len(blocks):
             for i, req_id in enumerate(req_ids):
                 self._allocate(req_id, blocks[i : i + 1], plan)
             return

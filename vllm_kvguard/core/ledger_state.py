@@ -326,7 +326,7 @@ class LedgerState:
     def lost_write_candidates(self, blocks: Sequence[int] | np.ndarray) -> list[int]:
         """The blocks of :meth:`lost_write_rows`, once each."""
         ids = np.asarray(blocks, dtype=np.int64)
-        return np.unique(ids[self.lost_write_rows(ids)]).tolist()
+        return sorted(set(ids[self.lost_write_rows(ids)].tolist()))
 
     def forget_identity(self, block_ids: Sequence[int]) -> None:
         """A page whose content is no longer what it was sealed for (being recomputed)."""

@@ -113,6 +113,21 @@ class PageBatch(NamedTuple):
         return [(r, self.positions[i : i + 1], self.blocks[i : i + 1]) for i, r in enumerate(self.req_ids)]
 
 
+# What the workers read of a step's plan: all a pickled plan carries (StepPlan.__getstate__).
+WORKER_FIELDS = (
+    "step",
+    "seal",
+    "forget",
+    "verify",
+    "readers",
+    "read_verify",
+    "given",
+    "written_blocks",
+    "written_slots",
+    "read_partial",
+)
+
+
 @dataclass(slots=True)
 class StepPlan:
     step: int
@@ -141,6 +156,22 @@ class StepPlan:
     # The same for the decode batch, one entry per page (in neither list above).
     given_decodes: PageBatch | None = None
     sealed_decodes: PageBatch | None = None
+
+    def __getstate__(self) -> tuple[object, ...]:
+        # Pickled once a step into the workers' message (vLLM's multiprocess executor): only
+        # what the workers read. The rest (page identity, the pages begun, the hand-outs per
+        # request) stays with the scheduler's own copy; a pickled plan has their defaults.
+        return tuple(getattr(self, name) for name in WORKER_FIELDS)
+
+    def __setstate__(self, state: tuple[object, ...]) -> None:
+        for name, value in zip(WORKER_FIELDS, state, strict=True):
+            setattr(self, name, value)
+        # The scheduler's fields, as a new plan has them (tests/unit/core/test_plan.py checks
+        # that every field is one or the other).
+        self.unverified_hits = 0
+        self.sealed_pages, self.hit_pages, self.given_pages = [], [], []
+        self.started = NO_BLOCKS
+        self.given_decodes = self.sealed_decodes = None
 
     def all_given_pages(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """``given_pages`` and ``given_decodes`` in the per-request form."""

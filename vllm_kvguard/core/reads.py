@@ -24,8 +24,6 @@ from vllm_kvguard.core.plan import (
 class ReadSweep(LedgerState):
     """Which pages of running requests a step verifies (module docstring)."""
 
-    # Up to this many pages read in a step are deduplicated without numpy's sort.
-    _SMALL_READS = 64
     # Up to this many are checked and marked in Python (:meth:`_few_reads`).
     _FEW_READS = 8
 
@@ -113,15 +111,11 @@ class ReadSweep(LedgerState):
                     self.violations.append(
                         LifecycleViolation(int(ids[i]), names[owner[i]], Violation.FREE_BLOCK_READ)
                     )
-        if len(ids) <= self._SMALL_READS:
-            # A sampled step's few pages: first occurrences in order through a dict (C-level),
-            # several times cheaper than np.unique's sort on a handful of ids.
-            ids = np.fromiter(dict.fromkeys(ids.tolist()), dtype=np.int64)
-            states = self.state[ids]
-        else:
-            _, first = np.unique(ids, return_index=True)
-            keep = np.sort(first)
-            ids, states = ids[keep], states[keep]
+        # First occurrences in order through a dict (C-level): several times cheaper than
+        # np.unique's sort on a handful of ids, and it keeps the GIL (docs/design/decisions.md,
+        # "The GIL").
+        ids = np.fromiter(dict.fromkeys(ids.tolist()), dtype=np.int64)
+        states = self.state[ids]
         sealed, filling = states == SEALED, states == FILLING
         self.mark_verified(ids[sealed | filling], now)
         return ids[sealed].tolist(), ids[filling].tolist()
