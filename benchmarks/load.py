@@ -17,6 +17,9 @@ What it does, on loopback only (every server on 127.0.0.1, every loop bounded in
    (the contract: 0), errors by cause. ``log`` mode is the control: it heals nothing, so differing
    (flagged) responses there show the faults do change the text.
 
+With ``--timing`` both servers time vLLM's step calls (``server_floor/step_timing.py``: wall
+and CPU per call of ``schedule``, ``update_from_output`` and the worker's ``execute_model``).
+
 With ``--floor empty`` (or ``facade``) the guard-on server of steps 1-2 runs the guard's connector
 with empty hooks (or its facade with idle sides, as ``profile_hooks.py --floor``): what vLLM's
 calls to a KV connector cost a user of the server, under the guard's own cost.
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import loadgen
+from server_floor import step_timing
 
 from vllm_kvguard.tools.server import Server, serve
 
@@ -143,13 +147,17 @@ def faulted(
     }
 
 
-def _guard_on(floor: str | None) -> dict[str, str]:
-    """The guard-on server's environment: the guard, or with ``floor`` that floor in its place
-    (installed in every server process by ``server_floor/sitecustomize.py``)."""
-    env = {"VLLM_KVGUARD": "1"}
-    if floor is not None:
-        site = str(Path(__file__).resolve().parent / "server_floor")
+def _env(guard: bool, floor: str | None, timing: Path | None) -> dict[str, str]:
+    """A server's environment: the guard off, or on, or with ``floor`` that floor in its place;
+    with ``timing`` its step calls timed (both installed in every server process by
+    ``server_floor/sitecustomize.py``)."""
+    env = {"VLLM_KVGUARD": "1" if guard else "0"}
+    if guard and floor is not None:
         env["KVGUARD_BENCH_FLOOR"] = floor
+    if timing is not None:
+        env["KVGUARD_BENCH_TIMING"] = str(timing)
+    if len(env) > 1:
+        site = str(Path(__file__).resolve().parent / "server_floor")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
     return env
 
@@ -166,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=("empty", "facade"),
         default=None,
         help="the guard-on server of the interleaved rounds runs this floor instead (see above)",
+    )
+    p.add_argument(
+        "--timing",
+        action="store_true",
+        help="time vLLM's schedule, update_from_output and execute_model in both servers (wall and CPU)",
     )
     args = p.parse_args(argv)
     if not 1 <= args.concurrency <= 256:
@@ -191,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
             "prompts": len(prompts),
             "max_tokens": loadgen.MAX_TOKENS,
         }
+        timing = {side: work / f"timing-{side}" if args.timing else None for side in ("off", "on")}
         t0 = time.monotonic()
         with (
-            serve(model, work, {"VLLM_KVGUARD": "0"}, args=server_args, name="off") as off,
-            serve(model, work, _guard_on(args.floor), args=server_args, name="on") as on,
+            serve(model, work, _env(False, None, timing["off"]), args=server_args, name="off") as off,
+            serve(model, work, _env(True, args.floor, timing["on"]), args=server_args, name="on") as on,
         ):
             print(f"servers up in {time.monotonic() - t0:.0f}s; reference run", file=sys.stderr, flush=True)
             ref = _reference(off, prompts, args.concurrency)
@@ -206,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             print("interleaved rounds, guard off vs on (no faults)", file=sys.stderr, flush=True)
             report["no_faults"] = interleaved(off, on, prompts, ref, args)
+            if args.timing:
+                # Per call, over each server's life (its reference pass included).
+                report["no_faults"]["timing"] = {
+                    side: step_timing.read(str(t)) for side, t in timing.items() if t is not None
+                }
         report["faults"] = {}
         for mode in modes:
             print(f"faults at a steady rate, mode {mode}", file=sys.stderr, flush=True)

@@ -35,7 +35,7 @@ def test_load_with_faults_serves_no_silent_wrong_text(tiny_model: str, tmp_path:
     report = _script(
         "load.py", "--model", tiny_model, "--concurrency", "32", "--phase-seconds", "12",
         "--round-seconds", "6", "--faults", "bitflip:rate=0.05,seed=1;zero:rate=0.05,seed=2",
-        "--modes", "quarantine,log", "--workdir", str(tmp_path), timeout=1200,
+        "--modes", "quarantine,log", "--workdir", str(tmp_path), "--timing", timeout=1200,
     )  # fmt: skip
     # The clean reference was taken twice and agreed (the script stops otherwise); the guard-on
     # server served every prompt exactly as the guard-off one.
@@ -46,6 +46,12 @@ def test_load_with_faults_serves_no_silent_wrong_text(tiny_model: str, tmp_path:
         assert quiet[side]["streams"] > 0 and quiet[side]["ttft_p99_ms"] > 0
     assert quiet["on"]["guard"]["corruptions_detected"] == 0 and quiet["on"]["guard"]["internal_errors"] == 0
     assert set(quiet["ratio_on_to_off"]) >= {"ttft_p50_ms", "itl_p99_ms", "requests_per_s"}
+    # --timing: vLLM's step calls timed in both servers' processes, CPU within wall.
+    for side in ("off", "on"):
+        timing = quiet["timing"][side]
+        assert set(timing) == {"schedule", "update_from_output", "execute_model"}, timing
+        for call in timing.values():
+            assert call["calls"] >= 100 and 0 < call["cpu_ms"] <= call["wall_ms"] * 1.05, timing
 
     healed, control = report["faults"]["quarantine"], report["faults"]["log"]
     for run in (healed, control):
