@@ -44,7 +44,9 @@ def test_a_pickled_plan_carries_the_workers_fields_and_defaults_the_rest() -> No
         got = getattr(other, name)
         want = getattr(plan, name) if name in WORKER_FIELDS else getattr(fresh, name)
         if isinstance(want, np.ndarray):
-            assert isinstance(got, np.ndarray) and got.dtype == want.dtype and got.tolist() == want.tolist(), name
+            assert (
+                isinstance(got, np.ndarray) and got.dtype == want.dtype and got.tolist() == want.tolist()
+            ), name
         else:
             assert got == want, name
     # The control: the scheduler's own copy still has every field it set.
