@@ -163,3 +163,44 @@ def close_decodes(
             verified_before[b] = last
         verified_step[b] = step
     return n_fill, n_begun
+
+
+@numba.njit(cache=True)
+def count_states(state, a, b):
+    # How many entries of state are a or b (the scrubber's recount of sealed and filling pages:
+    # one loop that keeps the GIL, where numpy's comparisons over the pool let go of it).
+    count = 0
+    for i in range(state.shape[0]):
+        s = state[i]
+        if s == a or s == b:  # noqa: SIM109 (numba)
+            count += 1
+    return count
+
+
+@numba.njit(cache=True)
+def next_states(state, cursor, want, window, a, b, out):
+    # The scrubber's walk (core/scrub.py, Scrubber._next_sealed, whose numpy form this follows
+    # window by window): up to want entries that are a or b from cursor on, wrapping once round
+    # the pool, into out. Returns (how many, the cursor after them).
+    n = state.shape[0]
+    got = 0
+    scanned = 0
+    while got < want and scanned < n:
+        end = min(n, cursor + window)
+        last = -1
+        more = False
+        for j in range(cursor, end):
+            s = state[j]
+            if s == a or s == b:  # noqa: SIM109 (numba)
+                if got < want:
+                    out[got] = j
+                    got += 1
+                    last = j
+                else:
+                    more = True
+                    break
+        scanned += end - cursor
+        cursor = last + 1 if more else end
+        if cursor >= n:
+            cursor = 0
+    return got, cursor

@@ -38,6 +38,9 @@ def compiled() -> ModuleType | None:
                 _plankernels.grow_decodes(*args)
             for args in _warm_close_args():
                 _plankernels.close_decodes(*args)
+            state = np.zeros(2, dtype=np.uint8)
+            _plankernels.count_states(state, 1, 2)
+            _plankernels.next_states(state, 0, 1, 4096, 1, 2, np.empty(1, dtype=np.int64))
             _compiled = _plankernels
         except Exception as exc:  # numba missing or unusable here: numpy computes the same
             _why_not = f"{type(exc).__name__}: {exc}"

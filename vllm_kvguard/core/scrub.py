@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_kvguard.core.compiled import compiled
 from vllm_kvguard.core.ledger import BlockLedger
 from vllm_kvguard.core.plan import BlockState
 
@@ -51,7 +52,12 @@ class Scrubber:
         if last is None:
             return []
         if now - self._counted_at >= _RECOUNT_S:
-            self._sealed = int(np.count_nonzero(_scrubbed(ledger.state)))
+            kernels = compiled()
+            self._sealed = (
+                int(np.count_nonzero(_scrubbed(ledger.state)))
+                if kernels is None
+                else int(kernels.count_states(ledger.state, BlockState.SEALED, BlockState.FILLING))
+            )
             self._counted_at = now
         sealed = self._sealed
         earned = sealed * max(0.0, now - last) / self.interval_s
@@ -66,6 +72,18 @@ class Scrubber:
         return out
 
     def _next_sealed(self, state: np.ndarray, want: int) -> list[int]:
+        kernels = compiled()
+        if kernels is not None:
+            # One compiled walk that keeps the GIL (docs/design/decisions.md, "The GIL"); the
+            # numpy walk below is its definition (tests/unit/core/test_scrub.py).
+            out = np.empty(want, dtype=np.int64)
+            got, self._cursor = kernels.next_states(
+                state, self._cursor % len(state), want, _WINDOW, BlockState.SEALED, BlockState.FILLING, out
+            )
+            return out[:got].tolist()
+        return self._next_sealed_numpy(state, want)
+
+    def _next_sealed_numpy(self, state: np.ndarray, want: int) -> list[int]:
         n = len(state)
         out: list[int] = []
         scanned = 0

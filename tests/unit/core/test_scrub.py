@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from vllm_kvguard.core.ledger import BlockLedger
@@ -52,3 +53,31 @@ def test_scrub_wraps_round_the_pool_and_skips_unsealed_blocks() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="interval"):
         Scrubber(0.0, 4)
+
+
+def test_the_compiled_walk_picks_what_the_numpy_walk_picks() -> None:
+    """The scrubber's compiled walk (core/_plankernels.py, keeps the GIL) against its numpy
+    definition: the same pages and the same cursor, step by step, round the pool and back, with
+    pages sealed, filling and freed in between."""
+    from vllm_kvguard.core.compiled import compiled
+
+    assert compiled() is not None  # numba is a dependency: the compiled walk is the one that runs
+    rng = np.random.default_rng(5)
+    state = rng.choice(
+        np.array(
+            [BlockState.FREE, BlockState.SEALED, BlockState.FILLING, BlockState.QUARANTINED], dtype=np.uint8
+        ),
+        size=10_000,
+        p=[0.5, 0.3, 0.1, 0.1],
+    )
+    fast, slow = Scrubber(10.0, 64), Scrubber(10.0, 64)
+    for step in range(400):
+        want = int(rng.integers(1, 300))
+        got = fast._next_sealed(state, want)
+        assert got == slow._next_sealed_numpy(state, want), step
+        assert fast._cursor == slow._cursor and len(got) == min(
+            want, np.count_nonzero((state == BlockState.SEALED) | (state == BlockState.FILLING))
+        )
+        state[rng.integers(0, len(state), 50)] = rng.integers(0, 4, 50).astype(np.uint8)
+    count = compiled().count_states(state, BlockState.SEALED, BlockState.FILLING)  # type: ignore[union-attr]
+    assert count == np.count_nonzero((state == BlockState.SEALED) | (state == BlockState.FILLING))
