@@ -22,7 +22,7 @@ import numpy as np
 
 from vllm_kvguard.core.compiled import compiled
 from vllm_kvguard.core.ledger import BlockLedger
-from vllm_kvguard.core.plan import BlockState
+from vllm_kvguard.core.plan import FILLING, SEALED, BlockState
 
 _WINDOW = 4096  # blocks scanned per slice when looking for sealed pages
 _RECOUNT_S = 0.25  # how often the number of sealed pages is recounted (an O(blocks) pass)
@@ -56,7 +56,7 @@ class Scrubber:
             self._sealed = (
                 int(np.count_nonzero(_scrubbed(ledger.state)))
                 if kernels is None
-                else int(kernels.count_states(ledger.state, BlockState.SEALED, BlockState.FILLING))
+                else int(kernels.count_states(ledger.state, SEALED, FILLING))
             )
             self._counted_at = now
         sealed = self._sealed
@@ -78,7 +78,7 @@ class Scrubber:
             # numpy walk below is its definition (tests/unit/core/test_scrub.py).
             out = np.empty(want, dtype=np.int64)
             got, self._cursor = kernels.next_states(
-                state, self._cursor % len(state), want, _WINDOW, BlockState.SEALED, BlockState.FILLING, out
+                state, self._cursor % len(state), want, _WINDOW, SEALED, FILLING, out
             )
             return out[:got].tolist()
         return self._next_sealed_numpy(state, want)

@@ -79,5 +79,5 @@ def test_the_compiled_walk_picks_what_the_numpy_walk_picks() -> None:
             want, np.count_nonzero((state == BlockState.SEALED) | (state == BlockState.FILLING))
         )
         state[rng.integers(0, len(state), 50)] = rng.integers(0, 4, 50).astype(np.uint8)
-    count = compiled().count_states(state, BlockState.SEALED, BlockState.FILLING)  # type: ignore[union-attr]
+    count = compiled().count_states(state, int(BlockState.SEALED), int(BlockState.FILLING))  # type: ignore[union-attr]
     assert count == np.count_nonzero((state == BlockState.SEALED) | (state == BlockState.FILLING))
