@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 _sums: dict[str, list[float]] = {}
@@ -91,8 +92,6 @@ def install(prefix: str) -> None:
 
 def read(prefix: str) -> dict[str, dict[str, float]]:
     """Per-call means in ms over every process of one server: {call: {calls, wall_ms, cpu_ms}}."""
-    from pathlib import Path
-
     out: dict[str, dict[str, float]] = {}
     base = Path(prefix)
     for path in base.parent.glob(base.name + ".*.json"):
