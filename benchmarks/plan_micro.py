@@ -5,7 +5,8 @@
 Two step shapes on an 8192-block pool: a decode step (16 running requests, one token
 each, sampled read verification of 8 pages) and an allocation-heavy step (8 new
 requests each hitting 12 cached blocks and given 2 new ones). Medians in µs. Then the
-finish check's scheduler side (:func:`finish_check`). It calls
+finish check's scheduler side (:func:`finish_check`: held requests; :func:`finish_ahead`:
+requests ending at their length, checked in their last step). It calls
 ``BlockLedger.plan(requests, read_budget)`` only, so it runs unchanged against older
 versions of the ledger too (e.g. ``git worktree add /tmp/old <commit>`` and
 ``PYTHONPATH=/tmp/old python benchmarks/plan_micro.py``).
@@ -81,6 +82,47 @@ def finish_check(pages: int, finishing: int) -> tuple[float, float, int]:
     return statistics.median(holds) * 1e6, statistics.median(plans) * 1e6, verified
 
 
+def finish_ahead(pages: int, finishing: int) -> tuple[float, float, int]:
+    """The finish check for requests ending at their length (connector/finish.py, ``ahead``):
+    µs a step that ends ``finishing`` of 64 running requests of ``pages`` pages each (none
+    verified lately: every page goes into the step's check), µs a step with none due, and the
+    pages that step verifies."""
+    from types import SimpleNamespace
+
+    from vllm_kvguard.connector.finish import FinishCheck
+    from vllm_kvguard.connector.metadata import KVGuardMetadata
+    from vllm_kvguard.core.plan import StepPlan
+
+    ledger = BlockLedger(64 * pages + 8, 32)
+    tables = {f"r{i}": list(range(1 + i * pages, 1 + (i + 1) * pages)) for i in range(64)}
+    ledger.plan([_req(r, 0, pages * 32, True, t, t) for r, t in tables.items()])
+    known = pages * 32 + 1
+    so = SimpleNamespace(num_scheduled_tokens=dict.fromkeys(tables, 1), scheduled_spec_decode_tokens={})
+    ahead, idle, verified = [], [], 0
+    for _ in range(200):
+        check = FinishCheck(ledger, rows=True)
+        for i, r in enumerate(tables):
+            request = SimpleNamespace(
+                request_id=r,
+                sampling_params=True,
+                num_prompt_tokens=pages * 32,
+                max_tokens=2 if i < finishing else 64,
+                num_tokens=known,
+                num_computed_tokens=known - 1,
+            )
+            check.watch(request)
+        meta = KVGuardMetadata(StepPlan(ledger.step + 1))
+        start = time.perf_counter()
+        check.ahead(meta, so, 0.0)
+        ahead.append(time.perf_counter() - start)
+        verified = len(meta.finish) + len(meta.finish_filling)
+        meta = KVGuardMetadata(StepPlan(ledger.step + 1))
+        start = time.perf_counter()
+        check.ahead(meta, so, 0.0)
+        idle.append(time.perf_counter() - start)
+    return statistics.median(ahead) * 1e6, statistics.median(idle) * 1e6, verified
+
+
 if __name__ == "__main__":
     for _ in range(3):
         print(f"decode step {decode_step():7.1f} us   allocation-heavy step {allocation_step():7.1f} us")
@@ -90,4 +132,11 @@ if __name__ == "__main__":
             print(
                 f"finish check, {pages:2d} pages a request, {finishing} finishing: hold {hold:5.1f} us a "
                 f"request, plan {plan:5.1f} us a step, {verified} pages verified"
+            )
+    for pages in (4, 16, 64):
+        for finishing in (1, 8):
+            ahead, idle, verified = finish_ahead(pages, finishing)
+            print(
+                f"finish check ahead, {pages:2d} pages a request, {finishing} ending at their length: "
+                f"{ahead:5.1f} us a step, {idle:4.1f} us with none due, {verified} pages verified"
             )

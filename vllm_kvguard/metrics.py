@@ -153,6 +153,14 @@ SERIES = (
         "mode), until the pages they read since those were last verified were verified again.",
     ),
     Series(
+        "finish_ahead",
+        "vllm:kvguard_requests_checked_ahead",
+        "counter",
+        "Requests reaching their length (max_tokens) whose last step verified the pages they read "
+        "since those were last verified, before its forward (sampled mode): checked as the finish "
+        "check requires, with no hold.",
+    ),
+    Series(
         "repaired",
         "vllm:kvguard_blocks_repaired",
         "counter",

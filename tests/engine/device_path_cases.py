@@ -358,18 +358,25 @@ def test_a_load_restored_reversed_is_caught_on_the_device_in_the_same_step(
 # ------------------------------------------------------------- the finish check
 # tests/engine/test_finish.py's workload (a shared prefix page scrambled three tokens before one
 # reader's end; the guard-off control there changes its text) with the seals on the device: the
-# held request's pages are verified in the next step's one launch, read back with its output.
+# pages of the request ending at its length are verified in the launch before its last step's
+# forward; those of the one ending on a stop token, held, in the next step's; each read back
+# with that step's output.
 
 
-def test_the_finish_check_on_the_device_fails_the_request_that_ended(tiny_model: str, tmp_path: Path) -> None:
-    from tests.engine.harness import affected_once, honest
-    from tests.engine.test_finish import PROMPTS, SAMPLED, _run
+@pytest.mark.parametrize("ends", ["length", "stop"])
+def test_the_finish_check_on_the_device_fails_the_request_that_ended(
+    tiny_model: str, tmp_path: Path, ends: str
+) -> None:
+    from tests.engine.harness import affected_once, honest, metric
+    from tests.engine.test_finish import PROMPTS, SAMPLED, _run, stop_at_processor
 
     log = tmp_path / "guard.jsonl"
     env = guard_env("quarantine", log, **{**KVG64, **SAMPLED, "VLLM_KVGUARD_VERIFY": "sampled"}, **INPROC)
-    with engine(tiny_model, env, num_gpu_blocks_override=64) as llm:
+    with engine(tiny_model, env, num_gpu_blocks_override=64, logits_processors=[stop_at_processor()]) as llm:
         assert _guard_type(llm)["table"] == "DeviceDigestTable"
-        r = _run(llm, guarded=True)
+        r = _run(llm, guarded=True, ends=ends)
+        held = metric(llm, "vllm:kvguard_requests_held")
+    assert (held >= 1) == (ends == "stop")
     found = events(log, "kv_block_corrupted")
     assert found and found[0]["block_id"] == r["block"] and found[0]["trigger"] == "finish"
     assert affected_once(log)["ending"] == "failed"

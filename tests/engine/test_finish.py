@@ -12,10 +12,17 @@ them is a few tokens from its end (a stray write, a DMA gone astray: tests/engin
 check it leaves changed and unflagged; with it, every request ends with its clean text, failed,
 or flagged, and the log says which. The engine core runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the test can step it and corrupt between two steps.
+
+The short request ends two ways: at its length (``max_tokens``: the guard knows the step of its
+last token and checks its pages before that step's forward, no hold) or on a stop token id (which
+no one can foresee: its final output is held one step while its pages are checked). A logits
+processor (vLLM's own per-request interface) makes it stop on that token exactly at its
+``ENDING + 1``-th token and never before, whatever the scrambled page does to its other tokens.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -45,27 +52,78 @@ MAX_TOKENS = {"ending": ENDING, "b": 32, "c": 32}
 # One page (2 layers x 16 KiB) verified per step on average, 4 on every 4th step: the three
 # readers' 27 page reads come round in about 28 steps, far more than the 3 the short request has.
 SAMPLED = {"VLLM_KVGUARD_VERIFY_BUDGET": "32KiB", "VLLM_KVGUARD_SCRUB_INTERVAL": "0"}
+STOP_TOKEN = 11  # the stop token id the short request ends on, in the "stop" cases
+ENDS = ("length", "stop")
 
 
-def _params(name: str, streaming: bool) -> Any:
+@functools.cache
+def stop_at_processor() -> type:
+    """A vLLM logits processor that ends a request on its first stop token id exactly at its
+    ``extra_args["stop_at"]``-th output token, and never before (the token is masked until then)."""
+    import torch
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    class StopAt(AdapterLogitsProcessor):
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params: Any) -> Any:
+            at = (params.extra_args or {}).get("stop_at")
+            if at is None:
+                return None
+            stop = params.stop_token_ids[0]
+
+            def force(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+                if len(output_ids) == at - 1:
+                    only = torch.full_like(logits, float("-inf"))
+                    only[stop] = 0.0
+                    return only
+                logits[stop] = float("-inf")
+                return logits
+
+            return force
+
+    return StopAt
+
+
+def stopping_at(params: Any, at: int) -> Any:
+    """``params`` ending on STOP_TOKEN at output token ``at`` (with :func:`stop_at_processor`)."""
+    params.stop_token_ids = [STOP_TOKEN]
+    params.extra_args = {"stop_at": at}
+    return params
+
+
+def _tokens(ends: str) -> int:
+    """The short request's output tokens: ENDING, then its stop token where it ends on one."""
+    return ENDING + (ends == "stop")
+
+
+def _params(name: str, streaming: bool, ends: str = "length") -> Any:
     from vllm.sampling_params import RequestOutputKind
 
-    params = greedy(MAX_TOKENS[name], ignore_eos=True)
+    if name == "ending" and ends == "stop":
+        params = stopping_at(greedy(32, ignore_eos=True), _tokens(ends))
+    else:
+        params = greedy(MAX_TOKENS[name], ignore_eos=True)
     if streaming and name == "ending":
         params.output_kind = RequestOutputKind.DELTA
     return params
 
 
-def _run(llm: Any, guarded: bool, streaming: bool = False) -> dict[str, Any]:
+def _engine(model: str, env: dict[str, str]) -> Any:
+    return engine(model, env, num_gpu_blocks_override=64, logits_processors=[stop_at_processor()])
+
+
+def _run(llm: Any, guarded: bool, streaming: bool = False, ends: str = "length") -> dict[str, Any]:
     """The clean texts (each prompt alone, caching the prefix), then the three together, one
     prefix page scrambled when the short request has LEFT tokens to go."""
     clean = {
-        name: llm.generate([prompt], _params(name, False), use_tqdm=False)[0].outputs[0].text
+        name: llm.generate([prompt], _params(name, False, ends), use_tqdm=False)[0].outputs[0].text
         for name, prompt in PROMPTS.items()
     }
     core, scheduler = llm.llm_engine, core_scheduler(llm)
     for name, prompt in PROMPTS.items():
-        core.add_request(name, prompt, _params(name, streaming))
+        core.add_request(name, prompt, _params(name, streaming, ends))
     (ending,) = [r for r in scheduler.requests.values() if r.request_id.startswith("ending")]
     texts: dict[str, str] = dict.fromkeys(PROMPTS, "")
     finals: dict[str, Any] = {}
@@ -103,43 +161,55 @@ def _page_to_scramble(llm: Any, scheduler: Any, req_id: str, guarded: bool) -> i
     return max(blocks, key=lambda b: int(steps[b]))
 
 
-def test_control_a_page_scrambled_near_a_requests_end_changes_its_text(tiny_model: str) -> None:
-    with engine(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, num_gpu_blocks_override=64) as llm:
-        r = _run(llm, guarded=False)
+@pytest.mark.parametrize("ends", ENDS)
+def test_control_a_page_scrambled_near_a_requests_end_changes_its_text(tiny_model: str, ends: str) -> None:
+    with _engine(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}) as llm:
+        r = _run(llm, guarded=False, ends=ends)
     ending = r["finals"]["ending"].outputs[0]
-    assert ending.finish_reason == "length" and ending.text != r["clean"]["ending"]
+    assert ending.finish_reason == ends and ending.text != r["clean"]["ending"]
+    assert len(ending.token_ids) == _tokens(ends)
 
 
+@pytest.mark.parametrize("ends", ENDS)
 def test_without_the_finish_check_the_request_leaves_wrong_and_unflagged(
-    tiny_model: str, tmp_path: Path
+    tiny_model: str, tmp_path: Path, ends: str
 ) -> None:
     """The hole the finish check closes, shown on the guard itself (VLLM_KVGUARD_FINISH_CHECK=0)."""
     log = tmp_path / "guard.jsonl"
     env = guard_env("quarantine", log, **INPROC, **SAMPLED, VLLM_KVGUARD_FINISH_CHECK="0")
-    with engine(tiny_model, env, num_gpu_blocks_override=64) as llm:
-        r = _run(llm, guarded=True)
+    with _engine(tiny_model, env) as llm:
+        r = _run(llm, guarded=True, ends=ends)
     ending = r["finals"]["ending"].outputs[0]
-    assert ending.finish_reason == "length" and ending.stop_reason is None
+    assert ending.finish_reason == ends and ending.stop_reason in (None, STOP_TOKEN)
     assert ending.text != r["clean"]["ending"]  # wrong text, no flag: not honest
     assert not honest(r["finals"]["ending"], r["clean"]["ending"])
 
 
-@pytest.mark.parametrize(("suspect", "streaming"), [("fail", False), ("flag", False), ("fail", True)])
+@pytest.mark.parametrize(
+    ("ends", "suspect", "streaming"),
+    [(e, s, st) for e in ENDS for s, st in (("fail", False), ("flag", False), ("fail", True))],
+)
 def test_a_request_ending_inside_the_window_is_failed_or_flagged(
-    tiny_model: str, tmp_path: Path, suspect: str, streaming: bool
+    tiny_model: str, tmp_path: Path, ends: str, suspect: str, streaming: bool
 ) -> None:
     log = tmp_path / "guard.jsonl"
     env = guard_env("quarantine", log, **INPROC, **SAMPLED, VLLM_KVGUARD_SUSPECT=suspect)
-    with engine(tiny_model, env, num_gpu_blocks_override=64) as llm:
-        r = _run(llm, guarded=True, streaming=streaming)
+    with _engine(tiny_model, env) as llm:
+        r = _run(llm, guarded=True, streaming=streaming, ends=ends)
         held = metric(llm, "vllm:kvguard_requests_held")
+        ahead = metric(llm, "vllm:kvguard_requests_checked_ahead")
         checked = metric(llm, "vllm:kvguard_verifications", trigger="finish")
     finals, clean = r["finals"], r["clean"]
     assert set(finals) == set(PROMPTS)
-    # Caught by the short request's finish check, in the step after its last token.
     found = events(log, "kv_block_corrupted")
     assert found and found[0]["block_id"] == r["block"] and found[0]["trigger"] == "finish"
-    assert held >= 1 and checked >= 1
+    assert checked >= 1
+    if ends == "length":
+        # Caught before the forward of the step that computes its last token: nothing held.
+        assert held == 0 and ahead >= 1
+    else:
+        # Caught in the step after its last token, its final output held meanwhile.
+        assert held >= 1
     outcomes = affected_once(log)
     expected = "failed" if suspect == "fail" else "suspect"
     assert outcomes["ending"] == expected
@@ -148,7 +218,7 @@ def test_a_request_ending_inside_the_window_is_failed_or_flagged(
     if suspect == "fail":
         assert ending.finish_reason == "error"
     else:
-        assert ending.finish_reason == "length" and str(ending.stop_reason).endswith("(suspect)")
+        assert ending.finish_reason == ends and str(ending.stop_reason).endswith("(suspect)")
     # Every request: its clean text, failed, or flagged; the log names each affected one once.
     for name, out in finals.items():
         assert honest(out, clean[name]), name
@@ -157,25 +227,31 @@ def test_a_request_ending_inside_the_window_is_failed_or_flagged(
     (line,) = [e for e in events(log, "kv_request_affected") if e["request_id"].startswith("ending")]
     if streaming:
         # The tokens the client already had when the request ended with the error.
-        assert line["tokens_streamed"] == ENDING - 1
+        assert line["tokens_streamed"] == _tokens(ends) - 1
         assert r["texts"]["ending"] != ""
     else:
         assert "tokens_streamed" not in line
 
 
 def test_clean_requests_leave_unchanged_through_the_finish_check(tiny_model: str, tmp_path: Path) -> None:
-    """Many requests of unequal length: held and released, the same text as with the guard off,
-    no finding, no request left behind."""
+    """Many requests of unequal length, half ending at their length (checked in their last
+    step), half on a stop token (held and released): the same text as with the guard off, no
+    finding, no request left behind."""
     prompts = [words(17 + 13 * i, 40 + 23 * i) for i in range(8)]
-    params = [greedy(6 + 5 * i) for i in range(8)]
-    with engine(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, num_gpu_blocks_override=64) as llm:
-        plain = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    params = [greedy(6 + 5 * i, ignore_eos=True) for i in range(8)]
+    for i in range(1, 8, 2):
+        stopping_at(params[i], 3 + 2 * i)
+    with _engine(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}) as llm:
+        plain = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.finish_reason for o in plain] == ["length", "stop"] * 4
     log = tmp_path / "guard.jsonl"
-    with engine(tiny_model, guard_env("quarantine", log, **INPROC), num_gpu_blocks_override=64) as llm:
+    with _engine(tiny_model, guard_env("quarantine", log, **INPROC)) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         held = metric(llm, "vllm:kvguard_requests_held")
+        ahead = metric(llm, "vllm:kvguard_requests_checked_ahead")
         scheduler = core_scheduler(llm)
-        assert not scheduler.requests and not scheduler.has_requests()
-    assert [o.outputs[0].text for o in outs] == plain
-    assert held >= 1
+        # (vLLM's finished_req_ids keeps the last finished ids until a next step: plain vLLM too.)
+        assert not scheduler.requests and not scheduler.has_unfinished_requests()
+    assert [o.outputs[0].text for o in outs] == [o.text for o in plain]
+    assert held >= 1 and ahead >= 1
     assert events(log, "kv_block_corrupted") == [] and events(log, "kv_request_affected") == []

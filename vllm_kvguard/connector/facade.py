@@ -173,6 +173,11 @@ class KVGuardConnector(KVConnectorBase_V1):
             )
             if not patches.patch_scheduler(find_guard):
                 self.scheduler.finish = None  # nothing could hold or put back a final output
+            if self.scheduler.finish is not None:
+                # Requests that end at their length are checked in their last step (no hold).
+                self.scheduler.finish.max_model_len = int(vllm_config.model_config.max_model_len or 0)
+                spec = getattr(vllm_config, "speculative_config", None)
+                self.scheduler.finish.spec_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0)
             if not self.active:
                 log.line(
                     "kvguard_inactive",
@@ -327,7 +332,12 @@ class KVGuardConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         failures = self.scheduler.take_pending_failures()
         if failures:
-            patches.fail_requests(vllm_scheduler, failures, outputs)
+            # Their tokens in this step's outputs never leave (fail_requests drops them).
+            self.scheduler.unsent = patches.tokens_in_outputs(outputs, failures)
+            try:
+                patches.fail_requests(vllm_scheduler, failures, outputs)
+            finally:
+                self.scheduler.unsent = {}
         self.scheduler.after_output(outputs, vllm_scheduler.requests)
 
     @fail_open(_nothing_to_send)

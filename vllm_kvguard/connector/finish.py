@@ -22,10 +22,18 @@ window would otherwise leave with text computed from the bad page and no flag. I
 vLLM keeps stepping while a finished request holds blocks (``Scheduler.has_finished_requests``),
 so a held output is released in the next step even when nothing else runs. The price: each such
 request's final output leaves one engine step later.
+
+A request that ends at its length (``max_tokens``, or the model's length) needs no hold: the step
+that produces its last token is known when it is scheduled. Its pages not verified yet in that
+step are verified before that step's forward (``finish``, ``finish_filling``, with no release), as
+the sweep verifies pages before the attention that reads them; a bad one is found before its last
+token is computed, and the request is failed or flagged in that very step. Only requests that
+stop on EOS or a stop token id, which no one can foresee, are held.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,27 +66,142 @@ class Held:
 
 
 class FinishCheck:
-    def __init__(self, ledger: BlockLedger, rows: bool) -> None:
+    def __init__(self, ledger: BlockLedger, rows: bool, max_model_len: int = 0, spec_tokens: int = 0) -> None:
         self.ledger = ledger
         self.rows = rows
         self.held: dict[str, Held] = {}
+        # Requests that end at a known length: vLLM's Request and the token count it ends at,
+        # and (step, id) by the first step each could end in (a heap; entries of requests gone
+        # are dropped as they come up). ``spec_tokens``: draft tokens a step may add.
+        self.max_model_len = max_model_len
+        self.spec_tokens = spec_tokens
+        self._ends: dict[str, tuple[Any, int]] = {}
+        self._due: list[tuple[int, str]] = []
 
-    def hold(self, req_id: str, client_index: int, streaming: bool, output_tokens: int, last: int) -> bool:
-        """Whether to hold ``req_id``'s final output: the pages of its block table not verified
-        in or after step ``last`` (the step that produced its last token)."""
+    def _stale(self, req_id: str, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sealed pages, unfilled pages) of ``req_id``'s block table not verified in or after
+        ``step``."""
         ledger = self.ledger
         table = ledger.table(req_id)
         table = table[table >= 0].astype(np.int64)
         if not len(table):
-            return False
+            return table, table
         states = ledger.state[table]
-        stale = ledger.verified_step[table] < last
+        stale = ledger.verified_step[table] < step
         pages = table[(states == SEALED) & stale]
         filling = table[(states == FILLING) & stale] if self.rows else table[:0]
+        return pages, filling
+
+    def hold(self, req_id: str, client_index: int, streaming: bool, output_tokens: int, last: int) -> bool:
+        """Whether to hold ``req_id``'s final output: the pages of its block table not verified
+        in or after step ``last`` (the step that produced its last token)."""
+        self._ends.pop(req_id, None)
+        pages, filling = self._stale(req_id, last)
         if not len(pages) and not len(filling):
             return False
         self.held[req_id] = Held(req_id, client_index, pages, filling, streaming, output_tokens)
         return True
+
+    # ------------------------------------------------------------ ending at a known length
+
+    def watch(self, request: Any) -> None:
+        """A request scheduled from the waiting queue: note the token count it ends at (its
+        prompt and ``max_tokens``, at most the model's length) and the first step it could."""
+        max_tokens = getattr(request, "max_tokens", None)
+        prompt = getattr(request, "num_prompt_tokens", None)
+        if getattr(request, "sampling_params", None) is None or not isinstance(max_tokens, int):
+            return
+        if not isinstance(prompt, int):
+            return
+        end = prompt + max_tokens
+        if self.max_model_len > 0:
+            end = min(end, self.max_model_len)
+        req_id = request.request_id
+        self._ends[req_id] = (request, end)
+        # Scheduled in the step being planned (the ledger's next); each step adds at most
+        # 1 + spec_tokens tokens, and it samples its first in that step at the earliest.
+        left = end - self._known(request)
+        heapq.heappush(self._due, (self.ledger.step + self._steps(left), req_id))
+
+    @staticmethod
+    def _known(request: Any) -> int:
+        """Tokens ``request`` has or has sampled (with async scheduling, the sampled ones whose
+        ids have not come back yet are placeholders)."""
+        return int(request.num_tokens) + int(getattr(request, "num_output_placeholders", 0) or 0)
+
+    def _steps(self, tokens: int) -> int:
+        """The fewest steps that add ``tokens`` tokens (at least 1)."""
+        return max(1, -(-tokens // (1 + self.spec_tokens)))
+
+    def forget(self, req_id: str) -> None:
+        if self._ends.pop(req_id, None) is not None and len(self._due) > 2 * len(self._ends) + 64:
+            self._due = [d for d in self._due if d[1] in self._ends]
+            heapq.heapify(self._due)
+
+    def ahead(self, meta: KVGuardMetadata, so: Any, now: float) -> int:
+        """Requests this step surely ends at their length (it samples their last token): their
+        pages not verified in this step go into its check before the forward (``finish``,
+        ``finish_filling``), so that no hold is needed. Returns how many. A step with no such
+        request pays one comparison."""
+        due, step = self._due, meta.plan.step
+        if not due or due[0][0] > step:
+            return 0
+        ntok = so.num_scheduled_tokens
+        spec = so.scheduled_spec_decode_tokens or {}
+        ending: list[str] = []
+        later: list[tuple[int, str]] = []
+        while due and due[0][0] <= step:
+            _, req_id = heapq.heappop(due)
+            entry = self._ends.get(req_id)
+            if entry is None:
+                continue  # finished, aborted, or already checked ahead
+            request, end = entry
+            scheduled = ntok.get(req_id)
+            if scheduled is None:
+                later.append((step + 1, req_id))
+                continue
+            # Positions computed once this step is done; it samples if that covers its tokens.
+            computed = int(request.num_computed_tokens) + scheduled - len(spec.get(req_id, ()))
+            if computed >= int(request.num_tokens) and computed + 1 >= end:
+                ending.append(req_id)
+                later.append((step + 1, req_id))  # (should it go on after all: checked again)
+            else:
+                # It samples at most 1 + spec_tokens tokens a step (a prefill chunk or a
+                # recompute may compute many more positions, but samples none of them).
+                left = end - self._known(request)
+                later.append((max(step + 1, step - 1 + self._steps(left)), req_id))
+        for item in later:
+            heapq.heappush(due, item)
+        if not ending:
+            return 0
+        # Their block tables in one pass (pages they share, a prefix, once).
+        pages, filling = self._stale_of(ending, step)
+        if len(pages) or len(filling):
+            if len(pages):
+                pages_list = pages.tolist()
+                meta.finish = sorted(set(meta.finish).union(pages_list)) if meta.finish else pages_list
+            if len(filling):
+                filling_list = filling.tolist()
+                meta.finish_filling = (
+                    sorted(set(meta.finish_filling).union(filling_list)) if meta.finish_filling else filling_list
+                )
+            self.ledger.mark_verified(np.concatenate([pages, filling]), now)
+        return len(ending)
+
+    def _stale_of(self, req_ids: list[str], step: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_stale` of several requests: each page once, in block order."""
+        if len(req_ids) == 1:
+            return self._stale(req_ids[0], step)
+        ledger = self.ledger
+        # (Sets, not np.unique: docs/design/decisions.md, "The GIL".)
+        ids = set(np.concatenate([ledger.table(r) for r in req_ids]).tolist())
+        ids.discard(-1)
+        table = block_array(sorted(ids))
+        states = ledger.state[table]
+        stale = ledger.verified_step[table] < step
+        pages = table[(states == SEALED) & stale]
+        filling = table[(states == FILLING) & stale] if self.rows else table[:0]
+        return pages, filling
 
     def plan(self, meta: KVGuardMetadata, now: float) -> None:
         """Put the held requests not planned yet into this step: their pages once each (none that

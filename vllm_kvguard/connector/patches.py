@@ -62,7 +62,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from vllm_kvguard.logs import LOGGER_NAME
@@ -176,6 +176,16 @@ def fail_requests(scheduler: Any, failures: dict[str, str], outputs: dict[int, A
                 stop_reason=failures[request.request_id],
             )
         )
+
+
+def tokens_in_outputs(outputs: dict[int, Any], req_ids: Iterable[str]) -> dict[str, int]:
+    """How many tokens a step's outputs carry for each of ``req_ids`` (0 where none)."""
+    counts = dict.fromkeys(req_ids, 0)
+    for engine_outputs in outputs.values():
+        for out in engine_outputs.outputs:
+            if out.request_id in counts:
+                counts[out.request_id] += len(getattr(out, "new_token_ids", None) or ())
+    return counts
 
 
 def error_output(request_id: str, message: str) -> Any:

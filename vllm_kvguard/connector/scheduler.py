@@ -95,8 +95,12 @@ class KVGuardScheduler(Planning):
             self._handle_violation(violation, meta)
         if self.faults is not None:
             self._plan_faults(plan, meta)
-        if self.finish is not None and self.finish.held:
-            self.finish.plan(meta, now)
+        if self.finish is not None:
+            if self.finish.held:
+                self.finish.plan(meta, now)
+            ahead = self.finish.ahead(meta, so, now)
+            if ahead:
+                self.counters.add("finish_ahead", ahead)
         return meta
 
     # ------------------------------------------------------------------ page identity
@@ -105,6 +109,8 @@ class KVGuardScheduler(Planning):
         """A request scheduled from the waiting queue (new or resumed): read its inputs once."""
         if request.request_id not in self.identity.requests:
             self.identity.add(request.request_id, request_inputs(request))
+        if self.finish is not None:
+            self.finish.watch(request)
 
     # ------------------------------------------------------------ what the workers found
 
@@ -232,11 +238,18 @@ class KVGuardScheduler(Planning):
             if self.finish.hold(req_id, client_index, streaming, output_tokens, last):
                 self.counters.add("finish_held")
                 return True
-        self._release(req_id)
+        unsent = self.unsent.get(req_id)
+        if streaming and unsent is not None and req_id in self._affected:
+            # Ended by the guard (its error output): the tokens its client already has.
+            self._release(req_id, tokens_streamed=max(0, output_tokens - unsent))
+        else:
+            self._release(req_id)
         return False
 
     def _release(self, req_id: str, **extra: Any) -> None:
         self._local_hits.pop(req_id, None)
+        if self.finish is not None:
+            self.finish.forget(req_id)
         self.ledger.release_request(req_id)
         self.identity.drop(req_id)
         self._nonfinite_recomputes.pop(req_id, None)

@@ -93,6 +93,9 @@ class SchedulerState:
         self._output_step = -1
         # Held requests released in this step's before_output: (client, final output) to put back.
         self._released: list[tuple[int, Any]] = []
+        # Requests the guard is ending this step: their tokens in the step's outputs (which
+        # never leave), set around vLLM's finish_requests (facade.after_output).
+        self.unsent: dict[str, int] = {}
         # Each live request's page fingerprints (what its pages hold), checked on every hit,
         # and the blocks that failed the check by step (drill accounting; dropped as settled).
         self.identity = PageIdentity(block_size)
