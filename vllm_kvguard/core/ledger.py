@@ -71,9 +71,11 @@ class BlockLedger(ReadSweep):
             read_budget = read_budget * self.read_every if self.step % self.read_every == 0 else 0
         plan = StepPlan(self.step)
         bs = self.block_size
-        rows_b: list[int] = []
-        rows_s: list[int] = []
-        started: list[int] = []
+        # The rows the views' requests write, and the pages they begin: an array per request
+        # (a prefill's thousands of tokens are never a Python int each).
+        rows_b: list[np.ndarray] = []
+        rows_s: list[np.ndarray] = []
+        started: list[np.ndarray] = []
         # Allocations first: a request may hit, in this same step, a block that a request
         # listed after it is given (vLLM caches a block as soon as its tokens are scheduled).
         for req in requests:
@@ -149,14 +151,14 @@ class BlockLedger(ReadSweep):
                         [names[i] for i in d_index[fill].tolist()], col[fill], d_blocks[fill]
                     )
         if rows_b:
-            plan.written_blocks = np.concatenate([block_array(rows_b), d_blocks])
-            plan.written_slots = np.concatenate([block_array(rows_s), d_slots])
+            plan.written_blocks = np.concatenate([*rows_b, d_blocks])
+            plan.written_slots = np.concatenate([*rows_s, d_slots])
         else:  # a step of decodes only
             plan.written_blocks, plan.written_slots = d_blocks, d_slots
-        plan.started = np.concatenate([block_array(started), begun]) if started else begun
+        plan.started = np.concatenate([*started, begun]) if started else begun
         if closed is not None:  # the decodes' pages are marked already: the views' only
             if view_seals or plan.verify or started:
-                views = [block_array(plan.seal[:view_seals]), block_array(plan.verify), block_array(started)]
+                views = [block_array(plan.seal[:view_seals]), block_array(plan.verify), *started]
                 self.mark_verified(np.concatenate(views), now)
         elif plan.seal or plan.verify or len(plan.started):
             self.mark_verified(
@@ -355,9 +357,14 @@ class BlockLedger(ReadSweep):
         plan.seal.extend(blocks.tolist())
 
     def _written(
-        self, req: ScheduledRequest, blocks: list[int], slots: list[int], started: list[int]
+        self,
+        req: ScheduledRequest,
+        blocks: list[np.ndarray],
+        slots: list[np.ndarray],
+        started: list[np.ndarray],
     ) -> None:
-        """The (block, slot) rows the step's forward writes for ``req``."""
+        """The (block, slot) rows the step's forward writes for ``req``, and the pages it begins,
+        appended as arrays."""
         bs = self.block_size
         first, end = req.num_computed, req.num_computed + req.num_new
         table = self.table(req.req_id)
@@ -366,18 +373,13 @@ class BlockLedger(ReadSweep):
             table = self.table(req.req_id)
             if (end - 1) // bs >= len(table):
                 return
-        if req.num_new == 1:
-            block = int(table[first // bs])
-            blocks.append(block)
-            slots.append(first % bs)
-            if first % bs == 0:
-                started.append(block)
-            return
-        positions = np.arange(first, end)
+        positions = np.arange(first, end, dtype=np.int64)
         written = table[positions // bs].astype(np.int64)
-        blocks.extend(written.tolist())
-        slots.extend((positions % bs).tolist())
-        started.extend(written[positions % bs == 0].tolist())
+        at = positions % bs
+        blocks.append(written)
+        slots.append(at)
+        if first % bs == 0 or req.num_new > bs - first % bs:
+            started.append(written[at == 0])
 
     def _allocate(self, req_id: str, blocks: np.ndarray, plan: StepPlan) -> None:
         states = self.state[blocks]
