@@ -44,6 +44,13 @@ from vllm_kvguard.core.ledger import BlockLedger
 from vllm_kvguard.core.plan import FILLING, SEALED, block_array
 
 
+def _merged(planned: list[int], more: np.ndarray) -> list[int]:
+    """``planned`` (sorted block ids) with ``more``, each once, sorted."""
+    if not len(more):
+        return planned
+    return sorted(set(planned).union(more.tolist())) if planned else more.tolist()
+
+
 @dataclass
 class Held:
     """A finished request whose final output waits for the pages it read to be verified."""
@@ -177,14 +184,8 @@ class FinishCheck:
         # Their block tables in one pass (pages they share, a prefix, once).
         pages, filling = self._stale_of(ending, step)
         if len(pages) or len(filling):
-            if len(pages):
-                pages_list = pages.tolist()
-                meta.finish = sorted(set(meta.finish).union(pages_list)) if meta.finish else pages_list
-            if len(filling):
-                filling_list = filling.tolist()
-                meta.finish_filling = (
-                    sorted(set(meta.finish_filling).union(filling_list)) if meta.finish_filling else filling_list
-                )
+            meta.finish = _merged(meta.finish, pages)
+            meta.finish_filling = _merged(meta.finish_filling, filling)
             self.ledger.mark_verified(np.concatenate([pages, filling]), now)
         return len(ending)
 
