@@ -151,6 +151,12 @@ class Sealing(RowChecks):
             # The usual step, in one compiled call: every row, in the order written.
             n = len(written.slots)
             same = self.rows.record_written(blocks, slots, written.slots, written.sums[:n], written.probe[:n])
+            if same is None and n == len(blocks):
+                # The same rows in another order (vLLM's CPU runner puts decodes before
+                # prefills; the plan lists its views first): the same call in written order.
+                same = self._record_reordered(
+                    blocks, slots, written.slots, written.sums[:n], written.probe[:n]
+                )
             if same is not None:
                 self.rows_as_written += n
                 return same
@@ -178,6 +184,27 @@ class Sealing(RowChecks):
         same[rest] = self.rows.record(blocks[rest], slots[rest])
         self.rows_as_written += len(mine)
         return same
+
+    def _record_reordered(
+        self, blocks: np.ndarray, slots: np.ndarray, flat: np.ndarray, sums: np.ndarray, probe: np.ndarray
+    ) -> np.ndarray | None:
+        """:meth:`RowDigests.record_written` of rows written in another order than the plan's
+        (``flat``: vLLM's slot mapping, the same rows each once): recorded in written order, the
+        flags put back in the plan's. None (nothing recorded) where they are not the same rows."""
+        assert self.rows is not None
+        bs = self.block_size
+        ids = np.asarray(blocks, dtype=np.int64) * bs + np.asarray(slots, dtype=np.int64)
+        by_plan = np.argsort(ids, kind="stable")
+        by_write = np.argsort(flat, kind="stable")
+        ordered = flat[by_write]
+        if not np.array_equal(ids[by_plan], ordered) or (ordered[1:] == ordered[:-1]).any():
+            return None
+        same = self.rows.record_written(flat // bs, flat % bs, flat, sums, probe)
+        if same is None or not same.any():
+            return same
+        flags = np.empty(len(ids), dtype=bool)
+        flags[by_plan] = same[by_write]
+        return flags
 
     def _lost_writes(self, meta: KVGuardMetadata, blocks: np.ndarray, slots: np.ndarray) -> None:
         assert self.rows is not None

@@ -269,6 +269,63 @@ def test_rows_are_digested_as_written_and_equal_the_rows_read_back(monkeypatch: 
     assert (worker.rows.rows[3] == worker.rows.hash(np.full(16, 3), np.arange(16))).all()
 
 
+def test_rows_written_in_another_order_than_planned_are_kept_as_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's CPU runner writes decodes before prefills; the plan lists its views first. The same
+    rows in another order still take the one compiled call (no numpy landing check, no search),
+    keep the page's digests, and a row that did not land is reported at its own slot."""
+    from vllm import _custom_ops as ops
+
+    worker, kv = _rows_worker()
+    assert worker.rows is not None and worker.rows.host is not None
+
+    def numpy_landing(*args: object) -> None:
+        raise AssertionError("rows written in another order keep their rows in one compiled call")
+
+    monkeypatch.setattr(worker.rows.host, "landed", numpy_landing)
+    monkeypatch.setattr(worker.written, "find", numpy_landing)
+    meta = _written(1, 2, [4, 0, 7, 1], [])
+    plan = meta.plan
+    worker.bind_connector_metadata(meta)
+    _write(worker, kv, 2, [0, 1, 4, 7], seed=1)  # the same rows, in the runner's order
+    worker.wait_for_layer_load("model.layers.0.self_attn.attn")
+    worker.wait_for_save()
+    worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    assert worker.rows_as_written == 4
+    assert (
+        worker.rows.rows[2, [0, 1, 4, 7]] == worker.rows.hash(np.full(4, 2), np.array([0, 1, 4, 7]))
+    ).all()
+    # Block 2 to a new owner, which writes slots 7 and 0 (planned in that order, written 0 then
+    # 7); the write of slot 7 goes nowhere: the new owner's slot 7 still holds the old row.
+    monkeypatch.undo()
+    worker.rows.roll([2])
+    wrapper = ops.cpu_attn_reshape_and_cache
+    original = wrapper._kvguard_original  # type: ignore[attr-defined]
+
+    def write_but_slot_7(key, value, key_cache, value_cache, mapping, *args):  # type: ignore[no-untyped-def]
+        keep = mapping != 2 * 16 + 7
+        original(key[keep], value[keep], key_cache, value_cache, mapping[keep], *args)
+
+    meta = _written(2, 2, [7, 0], [])
+    meta.lost_write_rows = np.ones(2, dtype=bool)
+    wrapper._kvguard_original = write_but_slot_7  # type: ignore[attr-defined]
+    try:
+        worker.bind_connector_metadata(meta)
+        _write(worker, kv, 2, [0, 7], seed=2)
+        worker.wait_for_layer_load("model.layers.0.self_attn.attn")
+        worker.wait_for_save()
+        out = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+    finally:
+        wrapper._kvguard_original = original  # type: ignore[attr-defined]
+    assert worker.rows_as_written == 6
+    [d] = out.detections  # type: ignore[union-attr]
+    assert (d.block_id, d.kind, d.where) == (2, "write_lost", {"slots": [7]})
+    assert plan.written_slots.tolist() == [4, 0, 7, 1]
+
+
 def test_a_write_that_did_not_land_under_the_wrapper_is_a_lost_write() -> None:
     from vllm import _custom_ops as ops
 
