@@ -24,6 +24,13 @@ With ``--floor empty`` (or ``facade``) the guard-on server of steps 1-2 runs the
 with empty hooks (or its facade with idle sides, as ``profile_hooks.py --floor``): what vLLM's
 calls to a KV connector cost a user of the server, under the guard's own cost.
 
+With ``--before PATH`` a third server runs the guard from PATH (a checkout of an earlier commit:
+``git worktree add /tmp/before <commit>``) in the same rounds: a change's effect on the server,
+side by side in one sitting (the machine's sittings differ more than most changes).
+
+Each server's steps in the rounds (vLLM's ``/metrics``): how many, tokens a step, and the guard's
+own time a step by side (``vllm:kvguard_overhead_seconds_total``).
+
 The report (``--json``: one JSON object on stdout) is written to ``<workdir>/load.json`` too.
 """
 
@@ -92,15 +99,51 @@ def _reference(server: Server, prompts: list[str], concurrency: int) -> dict[int
     return ref
 
 
+def step_metrics(server: Server) -> dict[str, float]:
+    """vLLM's step count and tokens, and the guard's own seconds by side, from ``/metrics``."""
+    out: dict[str, float] = {}
+    for line in server.metrics().splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        if name.startswith("vllm:iteration_tokens_total_count"):
+            key = "steps"
+        elif name.startswith("vllm:iteration_tokens_total_sum"):
+            key = "tokens"
+        elif name.startswith("vllm:kvguard_overhead_seconds_total") and 'side="' in name:
+            key = "guard_" + name.split('side="', 1)[1].split('"', 1)[0]
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def _per_step(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = d.get("steps", 0.0)
+    if steps <= 0:
+        return {"steps": 0}
+    return {
+        "steps": int(steps),
+        "tokens_per_step": round(d.get("tokens", 0.0) / steps, 1),
+        "guard_ms_per_step": {
+            k[6:]: round(v / steps * 1e3, 3) for k, v in d.items() if k.startswith("guard_")
+        },
+    }
+
+
 def interleaved(
-    off: Server, on: Server, prompts: list[str], ref: dict[int, str], args: argparse.Namespace
+    servers: dict[str, Server], prompts: list[str], ref: dict[int, str], args: argparse.Namespace
 ) -> dict[str, Any]:
-    sides: dict[str, list[loadgen.Response]] = {"off": [], "on": []}
-    spent = {"off": 0.0, "on": 0.0}
+    sides: dict[str, list[loadgen.Response]] = {name: [] for name in servers}
+    spent = dict.fromkeys(servers, 0.0)
+    at_start = {name: step_metrics(server) for name, server in servers.items()}
     round_no = 0
+    names = list(servers)
     while min(spent.values()) < args.phase_seconds:
-        pair = [("off", off), ("on", on)]
-        for name, server in pair if round_no % 2 == 0 else pair[::-1]:  # off-on, on-off, ...
+        turn = round_no % len(names)
+        for name in names[turn:] + names[:turn]:  # off-on, on-off, ... (each first in turn)
+            server = servers[name]
             start = time.monotonic()
             sides[name] += loadgen.run(
                 server.base, prompts, concurrency=args.concurrency, seconds=args.round_seconds,
@@ -109,18 +152,23 @@ def interleaved(
             spent[name] += time.monotonic() - start
         round_no += 1
     out: dict[str, Any] = {"rounds": round_no}
-    for name in sides:
+    for name, server in servers.items():
         out[name] = {
             **loadgen.verdicts(sides[name], ref),
             **loadgen.latency(sides[name]),
             "requests_per_s": round(len(sides[name]) / spent[name], 2),
+            **_per_step(at_start[name], step_metrics(server)),
         }
-    out["on"]["guard"] = dict(guard_events(on.log))
-    out["ratio_on_to_off"] = {
-        k: round(out["on"][k] / out["off"][k], 3)
-        for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "requests_per_s")
-        if out["on"].get(k) and out["off"].get(k)
-    }
+        if name != "off":
+            out[name]["guard"] = dict(guard_events(server.log))
+    pairs = [("on", "off"), ("before", "off"), ("on", "before")]
+    for a, b in pairs:
+        if a in out and b in out:
+            out[f"ratio_{a}_to_{b}"] = {
+                k: round(out[a][k] / out[b][k], 3)
+                for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "requests_per_s")
+                if out[a].get(k) and out[b].get(k)
+            }
     return out
 
 
@@ -147,8 +195,9 @@ def faulted(
     }
 
 
-def _env(guard: bool, floor: str | None, timing: Path | None) -> dict[str, str]:
-    """A server's environment: the guard off, or on, or with ``floor`` that floor in its place;
+def _env(guard: bool, floor: str | None, timing: Path | None, code: str | None = None) -> dict[str, str]:
+    """A server's environment: the guard off, or on (from the checkout ``code``, where given), or
+    with ``floor`` that floor in its place;
     with ``timing`` its step calls timed (both installed in every server process by
     ``server_floor/sitecustomize.py``)."""
     env = {"VLLM_KVGUARD": "1" if guard else "0"}
@@ -156,9 +205,9 @@ def _env(guard: bool, floor: str | None, timing: Path | None) -> dict[str, str]:
         env["KVGUARD_BENCH_FLOOR"] = floor
     if timing is not None:
         env["KVGUARD_BENCH_TIMING"] = str(timing)
-    if len(env) > 1:
-        site = str(Path(__file__).resolve().parent / "server_floor")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
+    if len(env) > 1 or code is not None:
+        site = str(Path(__file__).resolve().parent / "server_floor") if len(env) > 1 else None
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (code, site, os.environ.get("PYTHONPATH")) if p)
     return env
 
 
@@ -180,7 +229,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="time vLLM's schedule, update_from_output and execute_model in both servers (wall and CPU)",
     )
+    p.add_argument(
+        "--before",
+        metavar="PATH",
+        default=None,
+        help="also run the guard from this checkout (an earlier commit) in the same rounds",
+    )
     args = p.parse_args(argv)
+    if args.before is not None:
+        before = Path(args.before).resolve()
+        if not (before / "vllm_kvguard" / "__init__.py").is_file():
+            p.error(f"--before {args.before}: no vllm_kvguard package there (a checkout of this repository)")
+        args.before = str(before)
+        if args.floor is not None:
+            p.error("--before and --floor: one comparison at a time")
     if not 1 <= args.concurrency <= 256:
         p.error(f"--concurrency {args.concurrency}: 1..256")
     if args.phase_seconds <= 0 or args.round_seconds <= 0:
@@ -204,22 +266,31 @@ def main(argv: list[str] | None = None) -> int:
             "prompts": len(prompts),
             "max_tokens": loadgen.MAX_TOKENS,
         }
-        timing = {side: work / f"timing-{side}" if args.timing else None for side in ("off", "on")}
+        names = ["off", "on"] + (["before"] if args.before else [])
+        timing = {side: work / f"timing-{side}" if args.timing else None for side in names}
+        envs = {
+            "off": _env(False, None, timing["off"]),
+            "on": _env(True, args.floor, timing["on"]),
+            "before": _env(True, None, timing.get("before"), args.before),
+        }
         t0 = time.monotonic()
-        with (
-            serve(model, work, _env(False, None, timing["off"]), args=server_args, name="off") as off,
-            serve(model, work, _env(True, args.floor, timing["on"]), args=server_args, name="on") as on,
-        ):
+        with contextlib.ExitStack() as servers_up:
+            servers = {
+                name: servers_up.enter_context(serve(model, work, envs[name], args=server_args, name=name))
+                for name in names
+            }
+            off = servers["off"]
             print(f"servers up in {time.monotonic() - t0:.0f}s; reference run", file=sys.stderr, flush=True)
             ref = _reference(off, prompts, args.concurrency)
-            # The guard-on server's first pass: its warm-up, and every prompt checked against clean.
-            report["on_reference"] = loadgen.verdicts(
-                loadgen.run(on.base, prompts, concurrency=args.concurrency, seconds=600,
-                            max_requests=len(prompts), order=list(range(len(prompts)))),
-                ref,
-            )  # fmt: skip
-            print("interleaved rounds, guard off vs on (no faults)", file=sys.stderr, flush=True)
-            report["no_faults"] = interleaved(off, on, prompts, ref, args)
+            # Each guard server's first pass: its warm-up, and every prompt checked against clean.
+            for name in names[1:]:
+                report[f"{name}_reference"] = loadgen.verdicts(
+                    loadgen.run(servers[name].base, prompts, concurrency=args.concurrency, seconds=600,
+                                max_requests=len(prompts), order=list(range(len(prompts)))),
+                    ref,
+                )  # fmt: skip
+            print(f"interleaved rounds, {' vs '.join(names)} (no faults)", file=sys.stderr, flush=True)
+            report["no_faults"] = interleaved(servers, prompts, ref, args)
             if args.timing:
                 # Per call, over each server's life (its reference pass included).
                 report["no_faults"]["timing"] = {

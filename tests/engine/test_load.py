@@ -35,19 +35,34 @@ def test_load_with_faults_serves_no_silent_wrong_text(tiny_model: str, tmp_path:
     report = _script(
         "load.py", "--model", tiny_model, "--concurrency", "32", "--phase-seconds", "12",
         "--round-seconds", "6", "--faults", "bitflip:rate=0.05,seed=1;zero:rate=0.05,seed=2",
-        "--modes", "quarantine,log", "--workdir", str(tmp_path), "--timing", timeout=1200,
+        "--modes", "quarantine,log", "--workdir", str(tmp_path), "--timing", "--before", str(ROOT),
+        timeout=1200,
     )  # fmt: skip
-    # The clean reference was taken twice and agreed (the script stops otherwise); the guard-on
-    # server served every prompt exactly as the guard-off one.
-    assert report["on_reference"]["same"] == report["prompts"] == report["on_reference"]["requests"]
+    # The clean reference was taken twice and agreed (the script stops otherwise); each guard
+    # server (this checkout, and --before: here the same one) served every prompt exactly as the
+    # guard-off one.
+    for guarded in ("on", "before"):
+        first = report[f"{guarded}_reference"]
+        assert first["same"] == report["prompts"] == first["requests"], first
     quiet = report["no_faults"]
-    for side in ("off", "on"):
+    for side in ("off", "on", "before"):
         assert quiet[side]["requests"] > 0 and quiet[side]["same"] == quiet[side]["requests"], quiet[side]
         assert quiet[side]["streams"] > 0 and quiet[side]["ttft_p99_ms"] > 0
-    assert quiet["on"]["guard"]["corruptions_detected"] == 0 and quiet["on"]["guard"]["internal_errors"] == 0
-    assert set(quiet["ratio_on_to_off"]) >= {"ttft_p50_ms", "itl_p99_ms", "requests_per_s"}
-    # --timing: vLLM's step calls timed in both servers' processes, CPU within wall.
-    for side in ("off", "on"):
+        # Its steps in the rounds, from its /metrics, and the guard's own time a step by side.
+        assert quiet[side]["steps"] > 0 and quiet[side]["tokens_per_step"] > 0, quiet[side]
+        guard_ms = quiet[side]["guard_ms_per_step"]
+        if side == "off":
+            assert guard_ms == {}, guard_ms
+        else:
+            assert set(guard_ms) == {"scheduler", "worker"} and min(guard_ms.values()) > 0, guard_ms
+            assert (
+                quiet[side]["guard"]["corruptions_detected"] == 0
+                and quiet[side]["guard"]["internal_errors"] == 0
+            )
+    for ratio in ("ratio_on_to_off", "ratio_before_to_off", "ratio_on_to_before"):
+        assert set(quiet[ratio]) >= {"ttft_p50_ms", "itl_p99_ms", "requests_per_s"}, quiet
+    # --timing: vLLM's step calls timed in every server's processes, CPU within wall.
+    for side in ("off", "on", "before"):
         timing = quiet["timing"][side]
         assert set(timing) == {"schedule", "update_from_output", "execute_model"}, timing
         for call in timing.values():
@@ -65,6 +80,16 @@ def test_load_with_faults_serves_no_silent_wrong_text(tiny_model: str, tmp_path:
     # The control: log mode heals nothing, and the same faults changed the text of some
     # responses, every one of them flagged.
     assert control["flagged_different"] > 0, control
+
+
+def test_load_names_a_before_checkout_that_is_not_one(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_KVGUARD")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--before", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"--before {tmp_path}: no vllm_kvguard package there" in proc.stderr
 
 
 def test_soak_leaves_nothing_behind_and_memory_flat(tiny_model: str, tmp_path: Path) -> None:
