@@ -129,14 +129,9 @@ if __name__ == "__main__":
     for pages in (4, 16, 64):
         for finishing in (1, 8):
             hold, plan, verified = finish_check(pages, finishing)
+            ahead, idle, ahead_verified = finish_ahead(pages, finishing)
             print(
-                f"finish check, {pages:2d} pages a request, {finishing} finishing: hold {hold:5.1f} us a "
-                f"request, plan {plan:5.1f} us a step, {verified} pages verified"
-            )
-    for pages in (4, 16, 64):
-        for finishing in (1, 8):
-            ahead, idle, verified = finish_ahead(pages, finishing)
-            print(
-                f"finish check ahead, {pages:2d} pages a request, {finishing} ending at their length: "
-                f"{ahead:5.1f} us a step, {idle:4.1f} us with none due, {verified} pages verified"
+                f"finish check, {pages:2d} pages a request, {finishing} finishing: held: hold {hold:5.1f} us "
+                f"a request, plan {plan:5.1f} us a step, {verified} pages verified; ending at their "
+                f"length: {ahead:5.1f} us a step, {idle:4.1f} us with none due, {ahead_verified} pages"
             )

@@ -85,12 +85,18 @@ class FinishCheck:
         self._ends: dict[str, tuple[Any, int]] = {}
         self._due: list[tuple[int, str]] = []
 
-    def _stale(self, req_id: str, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(sealed pages, unfilled pages) of ``req_id``'s block table not verified in or after
-        ``step``."""
+    def _stale(self, req_ids: list[str], step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sealed pages, unfilled pages) of the block tables of ``req_ids`` not verified in or
+        after ``step``: each page once, in block order."""
         ledger = self.ledger
-        table = ledger.table(req_id)
-        table = table[table >= 0].astype(np.int64)
+        if len(req_ids) == 1:
+            table = ledger.table(req_ids[0])
+            table = table[table >= 0].astype(np.int64)
+        else:
+            # (Sets, not np.unique: docs/design/decisions.md, "The GIL".)
+            ids = set(np.concatenate([ledger.table(r) for r in req_ids]).tolist())
+            ids.discard(-1)
+            table = block_array(sorted(ids))
         if not len(table):
             return table, table
         states = ledger.state[table]
@@ -103,7 +109,7 @@ class FinishCheck:
         """Whether to hold ``req_id``'s final output: the pages of its block table not verified
         in or after step ``last`` (the step that produced its last token)."""
         self._ends.pop(req_id, None)
-        pages, filling = self._stale(req_id, last)
+        pages, filling = self._stale([req_id], last)
         if not len(pages) and not len(filling):
             return False
         self.held[req_id] = Held(req_id, client_index, pages, filling, streaming, output_tokens)
@@ -117,7 +123,7 @@ class FinishCheck:
         max_tokens = getattr(request, "max_tokens", None)
         prompt = getattr(request, "num_prompt_tokens", None)
         if getattr(request, "sampling_params", None) is None or not isinstance(max_tokens, int):
-            return
+            return  # (a pooling request: no tokens to sample)
         if not isinstance(prompt, int):
             return
         end = prompt + max_tokens
@@ -182,27 +188,12 @@ class FinishCheck:
         if not ending:
             return 0
         # Their block tables in one pass (pages they share, a prefix, once).
-        pages, filling = self._stale_of(ending, step)
+        pages, filling = self._stale(ending, step)
         if len(pages) or len(filling):
             meta.finish = _merged(meta.finish, pages)
             meta.finish_filling = _merged(meta.finish_filling, filling)
             self.ledger.mark_verified(np.concatenate([pages, filling]), now)
         return len(ending)
-
-    def _stale_of(self, req_ids: list[str], step: int) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`_stale` of several requests: each page once, in block order."""
-        if len(req_ids) == 1:
-            return self._stale(req_ids[0], step)
-        ledger = self.ledger
-        # (Sets, not np.unique: docs/design/decisions.md, "The GIL".)
-        ids = set(np.concatenate([ledger.table(r) for r in req_ids]).tolist())
-        ids.discard(-1)
-        table = block_array(sorted(ids))
-        states = ledger.state[table]
-        stale = ledger.verified_step[table] < step
-        pages = table[(states == SEALED) & stale]
-        filling = table[(states == FILLING) & stale] if self.rows else table[:0]
-        return pages, filling
 
     def plan(self, meta: KVGuardMetadata, now: float) -> None:
         """Put the held requests not planned yet into this step: their pages once each (none that
