@@ -144,6 +144,10 @@ def compose_kv_transfer_config(ktc: Any, config: KVGuardConfig, *, hma: bool = F
     policy = _failure_policy(config, user.get("kv_load_failure_policy") if user else None)
     if not user_connector or user_connector in (CONNECTOR, HMA_CONNECTOR):
         return KVTransferConfig(**ours, kv_load_failure_policy=policy)
+    # Beside another connector the guard is a MultiConnector child, built by vLLM from its own
+    # entry with the field defaults ("fail"): the policy vLLM applies is the top level's, so the
+    # guard's entry carries it too, and kvguard_started states the policy the scheduler uses.
+    ours["kv_load_failure_policy"] = policy
     if user_connector == "MultiConnector":
         extra = dict(user.get("kv_connector_extra_config") or {})
         children = [

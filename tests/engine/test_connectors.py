@@ -24,6 +24,7 @@ import pytest
 from tests.engine.harness import (
     FINDINGS,
     affected_once,
+    core_scheduler,
     engine,
     events,
     greedy,
@@ -167,21 +168,24 @@ def _loads_reversed(store: Path, transform: Any = _reversed) -> Iterator[list[st
 
 def _bad_load_run(
     model: str, env: dict[str, str], store: Path, transform: Any = _reversed
-) -> tuple[list[str], list[Any], float]:
+) -> tuple[list[str], list[Any], float, str]:
     """The prompts computed (and saved), then again with every load reversed: the first
-    pass's texts, the second pass's outputs, and the pages checked at load."""
+    pass's texts, the second pass's outputs, the pages checked at load, and the load-failure
+    policy vLLM's scheduler applies."""
     with _connector_engine(model, env, store) as llm:
+        # What vLLM's scheduler does with a block reported unreadable (its top-level policy).
+        applied = "recompute" if core_scheduler(llm).recompute_kv_load_failures else "fail"
         first = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy(16), use_tqdm=False)]
         with _loads_reversed(store, transform) as loads:
             second = [o.outputs[0] for o in llm.generate(PROMPTS, greedy(16), use_tqdm=False)]
         assert len(loads) >= len(PROMPTS)  # every prompt's layers were loaded (wrongly)
         checked = metric(llm, "vllm:kvguard_pages_loaded", verified="yes")
-    return first, second, checked
+    return first, second, checked, applied
 
 
 @pytest.mark.parametrize("wrong", list(TRANSFORMS))
 def test_control_a_load_restored_wrong_changes_the_text(tiny_model: str, tmp_path: Path, wrong: str) -> None:
-    first, second, _ = _bad_load_run(
+    first, second, _, _ = _bad_load_run(
         tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, tmp_path / "store", TRANSFORMS[wrong]
     )
     # Served as usual (wrong KV can make a request stop early), with different text.
@@ -194,7 +198,7 @@ def test_other_wrong_restores_are_caught_at_load_and_healed(
     tiny_model: str, tmp_path: Path, wrong: str
 ) -> None:
     log = tmp_path / "guard.jsonl"
-    first, second, _ = _bad_load_run(
+    first, second, _, _ = _bad_load_run(
         tiny_model, guard_env("quarantine", log, **INPROC), tmp_path / "store", TRANSFORMS[wrong]
     )
     found = events(log, "kv_block_corrupted")
@@ -217,8 +221,14 @@ def test_a_load_restored_reversed_is_caught_before_attention_reads_it(
 ) -> None:
     log = tmp_path / "guard.jsonl"
     env = guard_env(mode, log, **INPROC, VLLM_KVGUARD_REPAIR="1")
-    first, second, checked = _bad_load_run(tiny_model, env, tmp_path / "store")
+    first, second, checked, applied = _bad_load_run(tiny_model, env, tmp_path / "store")
     assert checked >= 4 * len(PROMPTS)
+    # The start-up line states the policy vLLM applies (it once said "fail" beside a connector
+    # in quarantine mode, the guard's child entry's default, while vLLM recomputed).
+    # (log mode keeps the user's policy: here vLLM's default, "fail"; the guard reports nothing.)
+    assert applied == {"quarantine": "recompute", "raise": "fail", "log": "fail"}[mode]
+    started = [e for e in read_log(log) if e["event"] == "kvguard_started" and e["role"] == "scheduler"]
+    assert [e["details"]["kv_load_failure_policy"] for e in started] == [applied]
     found = events(log, "kv_block_corrupted")
     assert found and {line["trigger"] for line in found} == {"external_load"}
     assert {line["connector"] for line in found} == {"ExampleConnector"}

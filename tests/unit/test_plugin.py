@@ -40,6 +40,28 @@ def test_composes_with_a_user_connector_through_multiconnector() -> None:
     assert ktc.kv_load_failure_policy == "recompute"
 
 
+@pytest.mark.parametrize("mode", ["quarantine", "raise", "log"])
+def test_the_guards_child_entry_carries_the_policy_vllm_applies(mode: str) -> None:
+    """vLLM builds a MultiConnector child's config from its entry alone (field default "fail"),
+    and the guard's start-up line reads its own: the entry carries the top level's policy."""
+    for user in (
+        KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both"),
+        {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": [{"kv_connector": "X", "kv_role": "kv_both"}]},
+        },
+    ):
+        ktc = compose_kv_transfer_config(user, _config(mode))
+        ours = ktc.kv_connector_extra_config["connectors"][-1]
+        assert ours["kv_connector"] == "KVGuardConnector"
+        # What the guard's child sees, built as vLLM's MultiConnector builds it.
+        child = KVTransferConfig(**ours, engine_id=ktc.engine_id)
+        assert child.kv_load_failure_policy == ktc.kv_load_failure_policy
+        if mode != "log":  # log keeps the user's policy (a KVTransferConfig's default is "fail")
+            assert ktc.kv_load_failure_policy == ("fail" if mode == "raise" else "recompute")
+
+
 def test_appends_to_an_existing_multiconnector_once() -> None:
     user = {
         "kv_connector": "MultiConnector",
