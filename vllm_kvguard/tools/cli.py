@@ -1,9 +1,11 @@
-"""The ``kvguard`` command: ``drill``, ``bench``, ``doctor``, ``config``, ``model``, ``--version``."""
+"""The ``kvguard`` command: ``drill``, ``bench``, ``doctor``, ``report``, ``config``, ``model``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -60,7 +62,13 @@ def parser() -> argparse.ArgumentParser:
         "--keep", action="store_true", help="keep the temporary work folder (a failed run always keeps it)"
     )
     drill.add_argument("--json", action="store_true", help="print the report as JSON")
-    sub.add_parser("config", help="print the effective configuration from the environment, validated")
+    sub.add_parser(
+        "config",
+        help="print the effective configuration from the environment, validated",
+        description="Reads every VLLM_KVGUARD* variable as the guard would at engine start, validates "
+        "them, and prints the variable names and the effective settings as JSON. Exits 2 on a bad value, "
+        "naming the variable and what it accepts.",
+    )
     doctor = sub.add_parser(
         "doctor",
         help="check this machine and environment before enabling the guard (exit 1 on a blocker)",
@@ -79,10 +87,16 @@ def parser() -> argparse.ArgumentParser:
         description="Reads the guard's lines from a log (VLLM_KVGUARD_LOG_FILE's JSON lines, or vLLM's own "
         "log, console or JSON) and says what the corruptions point at: failing memory, software, or a fire "
         "drill's injected faults, and the runbook section. Exits 1 if the file holds no guard line, or a "
-        "guard line it cannot read.",
+        "guard line it cannot read; with --fail-on-corruption, exits 3 if it holds a finding.",
     )
     report.add_argument("logfile", type=Path, help="the log file")
     report.add_argument("--json", action="store_true", help="print the summary as JSON")
+    report.add_argument(
+        "--fail-on-corruption",
+        action="store_true",
+        help="exit 3 if the log holds a bad page or another finding (identity mismatch, lost write, "
+        "lifecycle violation), injected by a drill or not: a gate for scripts and CI",
+    )
     model = sub.add_parser(
         "model",
         help="build the tiny random-weight model (offline) for trying the guard on a server",
@@ -144,7 +158,25 @@ def _configs(text: str) -> list[str]:
     return names
 
 
+# ``kvguard report --fail-on-corruption``: the log holds a finding (1 and 2 are taken by
+# "nothing to read" and bad arguments).
+FOUND_CORRUPTION = 3
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The console script: :func:`run`, quiet when its reader goes away (``kvguard config | head``)."""
+    try:
+        code = run(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader closed the pipe: stop as coreutils do (killed by SIGPIPE: 128 + 13), and keep
+        # Python from reporting the same error again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    return code
+
+
+def run(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "config":
         try:
@@ -175,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.logfile.is_file():
             print(
-                f"kvguard report: {args.logfile} is not a file: expected a guard log (JSON lines)",
+                f"kvguard report: {args.logfile} is not a file: expected a log with the guard's lines "
+                "(VLLM_KVGUARD_LOG_FILE's JSON lines, or vLLM's own console or JSON log)",
                 file=sys.stderr,
             )
             return 2
@@ -192,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
+        if args.fail_on_corruption and reporting.findings(summary):
+            return FOUND_CORRUPTION
         return 0
     if args.command == "doctor":
         from vllm_kvguard.tools import doctor

@@ -353,3 +353,9 @@ def no_guard_lines(path: Path, found: GuardLines) -> str:
         f"kvguard report: {path} holds no vllm-kvguard line ({found.lines} lines read{unread}), so it says "
         f"nothing about KV-cache corruption, neither found nor ruled out: {HOW_TO_GET_LINES}"
     )
+
+
+def findings(summary: dict[str, Any]) -> int:
+    """How many findings a summary holds: bad pages and the other findings (what
+    ``kvguard report --fail-on-corruption`` fails on)."""
+    return int(summary["bad_pages"]) + sum(int(n) for n in summary["other_findings"].values())

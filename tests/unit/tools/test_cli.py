@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -329,3 +332,50 @@ def test_a_vllm_line_that_starts_with_a_kv_word_is_not_a_guard_line() -> None:
     assert parse_console_line("INFO 12-06 20:25:04 [x.py:1] kv_connector loaded name=Example") is None
     assert parse_console_line("INFO kv_cache_dtype=auto block_size=16") is None
     assert parse_console_line("INFO 12-06 20:25:04 kv_transfer done a=1 b=2") is None  # no role: not ours
+
+
+def test_report_gates_a_script_on_findings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--fail-on-corruption``: exit 3 on a bad page or another finding, 0 on a clean guard log."""
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text(json.dumps({"event": "kvguard_started", "mode": "quarantine"}) + "\n")
+    assert main(["report", "--fail-on-corruption", str(clean)]) == 0
+    bad = tmp_path / "vllm-server.log"
+    bad.write_text(CONSOLE_LOG)
+    assert main(["report", str(bad)]) == 0  # without the option a report is a report
+    assert main(["report", "--fail-on-corruption", str(bad)]) == 3
+    assert main(["report", "--json", "--fail-on-corruption", str(bad)]) == 3
+    identity = tmp_path / "identity.jsonl"
+    identity.write_text(json.dumps({"event": "kv_block_identity_mismatch", "block_id": 4}) + "\n")
+    assert main(["report", "--fail-on-corruption", str(identity)]) == 3
+    capsys.readouterr()
+    assert main(["report", "--fail-on-corruption", str(tmp_path / "missing.log")]) == 2
+    err = capsys.readouterr().err
+    assert "JSON lines" in err and "console" in err
+
+
+@pytest.mark.parametrize("command", [["config"], ["report", "--json"]])
+def test_a_reader_that_stops_early_ends_the_command_quietly(command: list[str], tmp_path: Path) -> None:
+    """``kvguard config | head -1``: no BrokenPipeError traceback, the exit status of a command
+    killed by SIGPIPE (as coreutils give)."""
+    args = list(command)
+    if args[0] == "report":
+        log = tmp_path / "vllm-server.log"
+        log.write_text(CONSOLE_LOG)
+        args.append(str(log))
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write: every write fails with EPIPE
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from vllm_kvguard.tools.cli import main; sys.exit(main())",
+            *args,
+        ],
+        stdout=write,
+        stderr=subprocess.PIPE,
+        timeout=60,
+    )
+    os.close(write)
+    err = proc.stderr.decode()
+    assert proc.returncode == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
