@@ -80,6 +80,8 @@ class DrillReport:
     nonfinite_blocks: int = 0
     identity_mismatches: int = 0
     writes_lost: int = 0
+    # Corrupted blocks found when another connector loaded them (trigger external_load).
+    bad_loads: int = 0
     requests_healed: int = 0
     requests_suspect: int = 0
     requests_failed: int = 0
@@ -180,7 +182,11 @@ def summarize(
         elif event == "kv_block_corrupted" and line.get("role") == "scheduler":
             report.corrupted_blocks += 1
             shape = line.get("shape", "undiagnosed")
-            if line.get("trigger") == "external_load":  # a bad load: found as such, not shaped
+            if line.get("trigger") == "external_load":
+                # A bad load is found as such (its expected finding); its shape is counted as the
+                # log gives it (a loaded page keeps no syndrome: often undiagnosed), as report does.
+                report.shapes[shape] = report.shapes.get(shape, 0) + 1
+                report.bad_loads += 1
                 shapes_of.setdefault(line.get("block_id", -1), []).append((_ts(line), "external_load"))
             elif shape != "undiagnosed":  # the device path's shape comes in kv_block_diagnosed
                 report.shapes[shape] = report.shapes.get(shape, 0) + 1
@@ -277,6 +283,11 @@ def render(report: DrillReport) -> str:
         f"non-finite pages at write     {report.nonfinite_blocks}",
         f"identity mismatches           {report.identity_mismatches}",
         f"writes lost                   {report.writes_lost}",
+        *(
+            [f"bad loads (found at load)     {report.bad_loads}: their shapes are in the next line"]
+            if report.bad_loads
+            else []
+        ),
         f"blocks held in quarantine     {report.quarantined}",
         "shapes diagnosed              "
         + (", ".join(f"{k} {v}" for k, v in sorted(report.shapes.items())) or "-"),

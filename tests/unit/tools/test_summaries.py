@@ -134,3 +134,40 @@ def test_progress_line_names_the_faults_in_a_few_words_not_the_whole_spec() -> N
     assert short == "bitflip x3, overwrite, zero, nan, nan@write, partial x2, lost_write, identity"
     assert "seed" not in short and len(short) < len(DEFAULT_SPEC) / 2
     assert spec_summary("zero:rate=0.05,after=10") == "zero at rate 0.05"
+
+
+def test_load_faults_read_the_same_in_the_table_the_shapes_and_the_report() -> None:
+    """A drill with load faults once said `diagnosed 2` beside `shapes diagnosed -` while
+    `kvguard report` said `undiagnosed: 2`: a bad load is found as such (its expected finding),
+    and its shape is counted as the log gives it, as the report counts it."""
+    from vllm_kvguard.tools.report import summarize as report_summary
+
+    lines = [
+        _line("kv_fault_injected", 1.0, fault_id=1, kind="load", at="load", block_id=7),
+        _line("kv_fault_injected", 2.0, fault_id=2, kind="load", at="load", block_id=8),
+        _line(
+            "kv_block_corrupted",
+            1.5,
+            block_id=7,
+            shape="undiagnosed",
+            trigger="external_load",
+            action="recomputed",
+        ),
+        _line(
+            "kv_block_corrupted",
+            2.5,
+            block_id=8,
+            shape="undiagnosed",
+            trigger="external_load",
+            action="recomputed",
+        ),
+        _line("kv_fault_outcome", 1.5, fault_id=1, outcome="detected"),
+        _line("kv_fault_outcome", 2.5, fault_id=2, outcome="detected"),
+    ]
+    report = summarize(lines, [("a", False)], ["a"], mode="quarantine", spec="load:count=2")
+    row = next(iter(report.by_kind.values()))
+    assert row.detected == 2 and row.diagnosed == 2 and report.bad_loads == 2
+    text = render(report)
+    assert "bad loads (found at load)     2" in text
+    assert "shapes diagnosed              undiagnosed 2" in text
+    assert report_summary(lines)["by"]["shape"] == {"undiagnosed": 2}
