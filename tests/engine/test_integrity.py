@@ -310,3 +310,61 @@ def test_a_failed_request_leaves_no_nan_for_the_next_owner(tiny_model: str, tmp_
     # Every page B wrote from the bad one was zeroed before anyone else got it.
     assert left == []
     assert affected_once(log) == {"b": "failed"}
+
+
+# ------------------------------------- 5. NaN from a bad prefix page, in a forward vLLM discards
+# A storm at rest once failed a request that returned nothing from bad data: its hit of a cached
+# page was found bad (reported unreadable: vLLM drops that step's output for it and recomputes),
+# but the forward of that step, run anyway, had written a page of the request's own from the bad
+# one (NaN attention: NaN keys and values in the next layer), and that page's kv_block_nonfinite,
+# taken as tokens emitted from NaN, ended the request failed.
+
+NAN_READER = f"{PREFIX} " + words(250, 60)  # 4 cached pages, then 60 tokens: one full page of its own
+
+
+def _prefix_cached(llm: Any) -> list[int]:
+    """The prefix's 4 pages in the prefix cache (A's prompt adds 2 tokens: no other page filled)."""
+    return block_table_of(llm, f"{PREFIX} w398 w399")[:4]
+
+
+def _nan_reader_clean(model: str) -> str:
+    """The reader as the healed run computes it: the prefix's first page cached, the rest (its
+    pages 1-3 and its own 60 tokens) computed in one step, then decoded alone. The healed run's
+    recompute restarts at the bad page (page 1) with nothing else running: the same batches."""
+    with engine(model, OFF, num_gpu_blocks_override=64) as llm:
+        blocks = _prefix_cached(llm)
+        core_scheduler(llm).kv_cache_manager.block_pool.evict_blocks(set(blocks[1:]))
+        out = llm.generate([NAN_READER], greedy(8), use_tqdm=False)[0]
+    assert out.num_cached_tokens == BLOCK
+    return out.outputs[0].text
+
+
+def test_control_a_nan_prefix_page_changes_the_readers_text(tiny_model: str) -> None:
+    clean = _nan_reader_clean(tiny_model)
+    with engine(tiny_model, OFF, num_gpu_blocks_override=64) as llm:
+        blocks = _prefix_cached(llm)
+        llm.collective_rpc(poison, args=(blocks[1],))
+        out = llm.generate([NAN_READER], greedy(8), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 4 * BLOCK  # it read the NaN page
+    assert out.outputs[0].text != clean
+
+
+def test_nan_written_by_a_discarded_forward_does_not_fail_a_healed_request(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    clean = _nan_reader_clean(tiny_model)
+    log = tmp_path / "guard.jsonl"
+    with engine(tiny_model, guard_env("quarantine", log, **INPROC), num_gpu_blocks_override=64) as llm:
+        blocks = _prefix_cached(llm)
+        llm.collective_rpc(poison, args=(blocks[1],))
+        out = llm.generate([NAN_READER], greedy(8), use_tqdm=False)[0]
+    # The bad page was found on the reader's hit, and the page the discarded forward wrote from
+    # it was found non-finite in the same step: both findings are there...
+    (bad,) = events(log, "kv_block_corrupted")
+    assert bad["block_id"] == blocks[1] and bad["trigger"] == "reuse"
+    (nan,) = events(log, "kv_block_nonfinite")
+    assert nan["block_id"] not in blocks and nan["request_ids"] == bad["request_ids"]
+    # ...and the request, which returned nothing computed from either, is healed, once.
+    assert out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].text == clean
+    assert list(affected_once(log).values()) == ["healed"]

@@ -109,6 +109,10 @@ class Findings(SchedulerState):
         if decision.quarantine:
             # After the finding's own line: the runbook reads them in this order.
             self._quarantine(block)
+        if self.config.mode != Mode.LOG and not repaired:
+            # Reported unreadable: vLLM drops this step's output for every reader and recomputes.
+            for req_id in readers:
+                self._output_dropped.setdefault(req_id, step)
         failed = set()
         for req_id in readers:
             read_unverified = req_id not in hitters and unverified_steps > 0
@@ -129,11 +133,16 @@ class Findings(SchedulerState):
         """NaN/Inf in a page just sealed: keep it from spreading, recompute once (policy.on_nonfinite).
 
         A writer that sampled a token in the step that wrote the page computed it from the
-        NaN: recomputing cannot take it back, so it is failed or flagged, never healed."""
+        NaN: recomputing cannot take it back, so it is failed or flagged, never healed. Unless
+        vLLM drops that step's output for it: a page it read was found bad in the same step
+        (``_output_dropped``); then the NaN came from that page, nothing computed from it left,
+        and the request is recomputed from before the bad page (not a model that writes NaN:
+        no recompute counted against it)."""
         first = detections[0]
         holders = self._holders(block, first.step, computed=False)
         writers = tuple(sorted(holders))
-        again = any(self._nonfinite_recomputes.get(w, 0) >= 1 for w in writers)
+        discarded = {w for w in writers if self._output_dropped.get(w) == first.step}
+        again = any(self._nonfinite_recomputes.get(w, 0) >= 1 for w in writers if w not in discarded)
         decision = policy.on_nonfinite(self.config.nonfinite_mode, again)
         self.counters.add("corruptions", label="nonfinite")
         self.counters.add("shapes", label="nonfinite")
@@ -143,7 +152,8 @@ class Findings(SchedulerState):
             self._invalidate_next.append(block)
         if decision.count_recompute:
             for w in writers:
-                self._nonfinite_recomputes[w] = self._nonfinite_recomputes.get(w, 0) + 1
+                if w not in discarded:
+                    self._nonfinite_recomputes[w] = self._nonfinite_recomputes.get(w, 0) + 1
         self.log.event(
             "kv_block_nonfinite",
             BlockNonFinite(
@@ -161,7 +171,7 @@ class Findings(SchedulerState):
         failed = set()
         for req_id in writers:
             holder = holders[req_id]
-            emitted = holder.emits if holder is not None else True
+            emitted = (holder.emits if holder is not None else True) and req_id not in discarded
             outcome = policy.reader_outcome(
                 mode, self.config.suspect, decision.outcome, read_unverified=emitted
             )

@@ -177,6 +177,7 @@ class KVGuardScheduler(Planning):
             if power_of_two(self.worker_errors_seen):
                 self.log.line("kvguard_worker_internal_error", level="error", error=error)
         bad: set[int] = set()  # the blocks found bad this step (the drills' accounting)
+        self._output_dropped = {}
         if meta.detections:
             by_block: dict[int, list[Detection]] = defaultdict(list)
             nonfinite: dict[int, list[Detection]] = defaultdict(list)

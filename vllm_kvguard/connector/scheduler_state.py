@@ -129,6 +129,10 @@ class SchedulerState:
         # request was sent to recompute one (a model that writes NaN writes it again).
         self._invalidate_next: list[int] = []
         self._nonfinite_recomputes: dict[str, int] = {}
+        # This output's readers of a page reported unreadable, by the step that found it: vLLM
+        # drops that step's output for them and recomputes, so a page their forward wrote in that
+        # step (NaN from the bad page, found non-finite) emitted nothing. Reset every output.
+        self._output_dropped: dict[str, int] = {}
         # Requests to end with an error after this step's output (lifecycle violations).
         self.pending_failures: dict[str, str] = {}
         self.counters = GuardCounters()
