@@ -42,6 +42,7 @@ _a_core_per_worker()
 SLOW_MODULES = {
     "tests/engine/test_drill.py": 330,
     "tests/engine/test_load.py": 290,
+    "tests/engine/test_docs_commands.py": 240,
     "tests/engine/test_device_path.py": 170,
     "tests/engine/test_parallel.py": 120,
     "tests/engine/test_features.py": 90,

@@ -149,6 +149,9 @@ def test_corruption_moves_metrics_and_fires_the_alert(server: dict[str, Any], pr
     assert _value(after, "vllm:kvguard_bytes_hashed_total", op="seal") > 0
     assert _value(after, "vllm:kvguard_verification_latency_seconds_count") >= 1
     assert _value(after, "vllm:kvguard_internal_errors_total") == 0
+    # The *_created series metrics.md describes: prometheus_client's, on vLLM's counters as on ours.
+    raw = get(base + "/metrics")
+    assert "\nvllm:prompt_tokens_created{" in raw and "\nvllm:kvguard_blocks_sealed_created{" in raw
 
     def firing() -> list[dict[str, Any]]:
         alerts = json.loads(get(prometheus + "/api/v1/alerts"))["data"]["alerts"]
