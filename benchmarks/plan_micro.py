@@ -6,7 +6,9 @@ Two step shapes on an 8192-block pool: a decode step (16 running requests, one t
 each, sampled read verification of 8 pages) and an allocation-heavy step (8 new
 requests each hitting 12 cached blocks and given 2 new ones). Medians in µs. Then the
 finish check's scheduler side (:func:`finish_check`: held requests; :func:`finish_ahead`:
-requests ending at their length, checked in their last step). It calls
+requests ending at their length, checked in their last step), and the stop-string check
+(:func:`stop_strings`: vLLM's incremental detokenizer run in the engine for requests with stop
+strings, µs per request per step; needs the tiny model, built in .cache/). The plan cases call
 ``BlockLedger.plan(requests, read_budget)`` only, so it runs unchanged against older
 versions of the ledger too (e.g. ``git worktree add /tmp/old <commit>`` and
 ``PYTHONPATH=/tmp/old python benchmarks/plan_micro.py``).
@@ -123,6 +125,44 @@ def finish_ahead(pages: int, finishing: int) -> tuple[float, float, int]:
     return statistics.median(ahead) * 1e6, statistics.median(idle) * 1e6, verified
 
 
+def stop_strings(requests: int, tokens: int = 256) -> float:
+    """µs per request per decode step for the engine-side stop-string check (the tiny model's
+    tokenizer, one token a step, no stop found: the steady state)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from vllm_kvguard.config import load_config
+    from vllm_kvguard.connector.stop_strings import StopStrings
+    from vllm_kvguard.logs import GuardLog
+    from vllm_kvguard.tools.tinymodel import build_tiny_model
+
+    model = build_tiny_model(Path(__file__).resolve().parents[1] / ".cache" / "tiny-model")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    stops = StopStrings(None, GuardLog(load_config({})), tokenizer=tokenizer)
+    reqs = [
+        SimpleNamespace(
+            request_id=str(r),
+            sampling_params=SamplingParams(max_tokens=tokens, stop=["w479 w478"]),
+            prompt_token_ids=tokenizer.convert_tokens_to_ids([f"w{i}" for i in range(64)]),
+            prompt_embeds=None,
+            output_token_ids=[],
+        )
+        for r in range(requests)
+    ]
+    stream = tokenizer.convert_tokens_to_ids([f"w{(7 * i) % 400}" for i in range(tokens)])
+    times = []
+    for token in stream:
+        start = time.perf_counter()
+        for req in reqs:
+            req.output_token_ids.append(token)
+            stops.ends(req, [token])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[16:]) * 1e6 / requests
+
+
 if __name__ == "__main__":
     for _ in range(3):
         print(f"decode step {decode_step():7.1f} us   allocation-heavy step {allocation_step():7.1f} us")
@@ -135,3 +175,8 @@ if __name__ == "__main__":
                 f"a request, plan {plan:5.1f} us a step, {verified} pages verified; ending at their "
                 f"length: {ahead:5.1f} us a step, {idle:4.1f} us with none due, {ahead_verified} pages"
             )
+    for requests in (16, 128):
+        print(
+            f"stop-string check, {requests} requests with stop strings: "
+            f"{stop_strings(requests):5.2f} us a request a step"
+        )

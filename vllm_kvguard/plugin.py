@@ -40,6 +40,7 @@ def register() -> None:
 
     patches.quiet_unknown_variable_warnings()
     patches.patch_openai_errors()
+    patches.patch_stop_string_flags()
     patches.guard_kernel_scan()
     patches.keep_cores_for_the_forward(guard_alone)
     _install_config_error_hook()

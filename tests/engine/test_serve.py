@@ -188,3 +188,33 @@ def test_server_log_has_none_of_the_misleading_start_up_lines(server: dict[str, 
     assert "mode=quarantine" in scheduler_line and "block_size=32" in scheduler_line
     (line,) = events(server["log"], "kvguard_started")[:1]
     assert line["logger"] == "vllm.kvguard"
+
+
+def test_a_stop_string_ends_the_request_as_vllm_always_did(server: dict[str, Any]) -> None:
+    """Stop strings now end requests in the engine (so the finish check holds them,
+    connector/stop_strings.py); over HTTP the answer is what vLLM's front end always made of
+    them: the text up to the stop string, ``finish_reason`` "stop", the string in ``stop_reason``."""
+    base = server["base"]
+    prompt = words(300, 40)
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    body["ignore_eos"] = True
+    # Twice: the second run, like the one with a stop string, finds the prompt's first page cached.
+    _post(base + "/v1/completions", body)
+    free = _post(base + "/v1/completions", body)["choices"][0]
+    said = free["text"].split()
+    assert free["finish_reason"] == "length" and len(said) >= 6  # (EOS tokens, ignored, show no text)
+    stop = next(
+        w for w in said[3:] if said.count(w) == 1 and not any(o != w and o.startswith(w) for o in said)
+    )
+    cut = free["text"][: free["text"].index(stop)]
+    held = _value(_samples(base), "vllm:kvguard_requests_held_total")
+    stopped = _post(base + "/v1/completions", {**body, "stop": [stop]})["choices"][0]
+    # It ended in the engine, where the finish check held its final output for its pages' check.
+    wait(
+        lambda: _value(_samples(base), "vllm:kvguard_requests_held_total") == held + 1,
+        30,
+        "the stop-string request to be counted as held",
+    )
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == stop
+    assert stopped["text"] == cut
+    assert "kvguard_internal_error" not in (server["work"] / "server.log").read_text()

@@ -29,6 +29,7 @@ from vllm_kvguard.connector import patches
 from vllm_kvguard.connector.metadata import KVGuardMetadata, KVGuardWorkerMetadata
 from vllm_kvguard.connector.scheduler import KVGuardScheduler
 from vllm_kvguard.connector.stats import KVGuardPromMetrics, KVGuardStats
+from vllm_kvguard.connector.stop_strings import StopStrings
 from vllm_kvguard.connector.worker import KVGuardWorker
 from vllm_kvguard.logs import GuardLog
 
@@ -173,6 +174,9 @@ class KVGuardConnector(KVConnectorBase_V1):
             )
             if not patches.patch_scheduler(find_guard):
                 self.scheduler.finish = None  # nothing could hold or put back a final output
+            if self.scheduler.finish is not None and patches.patch_stop_strings(find_guard):
+                # Requests that end on a stop string end in the engine, held like EOS ends.
+                self.scheduler.stop_strings = StopStrings(vllm_config.model_config, log)
             if self.scheduler.finish is not None:
                 # Requests that end at their length are checked in their last step (no hold).
                 self.scheduler.finish.max_model_len = int(vllm_config.model_config.max_model_len or 0)
@@ -324,6 +328,13 @@ class KVGuardConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         if self.active and connector_output is not None:
             self.scheduler.before_output(vllm_scheduler, scheduler_output, connector_output)
+
+    @fail_open(lambda self: False)
+    def ends_on_stop_string(self, request: Any, new_token_ids: list[int]) -> bool:
+        """Called by the ``Scheduler._update_request_with_output`` patch: whether the request's
+        new tokens complete one of its stop strings (connector/stop_strings.py)."""
+        stop_strings = self.scheduler.stop_strings if self.scheduler is not None else None
+        return self.active and stop_strings is not None and stop_strings.ends(request, new_token_ids)
 
     @fail_open(lambda self: None)
     def after_output(self, vllm_scheduler: Any, outputs: dict[int, Any]) -> None:

