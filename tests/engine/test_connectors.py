@@ -319,3 +319,130 @@ def test_a_consumer_engine_checks_what_it_loads_against_the_producers_digests(
     assert found and {line["trigger"] for line in found} == {"external_load"}
     assert set(affected_once(bad_log).values()) == {"healed"}
     assert [c.text for c in healed] == texts
+
+
+# ------------------------------------------------------------- the same tokens, other bytes
+# vLLM is not batch-invariant: the same tokens computed in another batch give other KV bytes.
+# Here the KV a forward writes is made to depend on its token count (keys and values scaled by
+# 1 + (tokens % 3) / 32), in the guard-off runs as in the guarded ones. A's pages are computed
+# and stored by the connector (A alone: 130 tokens), computed again inside B (168 tokens: other
+# bytes; the connector stores B apart and keeps A's first copy), then A is loaded from that
+# first copy. With one digest kept per identity, the last sealed (B's), every such load was a
+# false finding and raise mode failed clean requests.
+
+VARIANT_B = PROMPTS[0] + " " + words(300, 38)
+
+
+@contextlib.contextmanager
+def _batch_variant_kv() -> Iterator[None]:
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    forward = Attention.forward
+
+    def variant(self: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        scale = 1.0 + (key.shape[0] % 3) / 32
+        return forward(self, query, key * scale, value * scale, *args, **kwargs)
+
+    Attention.forward = variant  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Attention.forward = forward  # type: ignore[method-assign]
+
+
+def _variant_run(
+    model: str, env: dict[str, str], store: Path, role: str = "kv_both", prompts: Any = None
+) -> Any:
+    """Each prompt alone, in order (A, B, A by default), under batch-variant KV: the outputs, the
+    pages loaded and checked, and each kept identity's number of digest sets."""
+    from vllm_kvguard import testing
+
+    with _batch_variant_kv(), _connector_engine(model, env, store, role=role) as llm:
+        outs = [
+            llm.generate([p], greedy(16), use_tqdm=False)[0].outputs[0]
+            for p in prompts or (PROMPTS[0], VARIANT_B, PROMPTS[0])
+        ]
+        loaded = metric(llm, "vllm:kvguard_pages_loaded", verified="yes")
+        sets = llm.collective_rpc(testing.load_digest_sets)[0] if env.get("VLLM_KVGUARD") == "1" else {}
+    return outs, loaded, sets
+
+
+@pytest.fixture(scope="module")
+def variant_plain(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    outs, _, _ = _variant_run(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, tmp_path_factory.mktemp("vstore"))
+    return [o.text for o in outs]
+
+
+def test_control_batch_variant_kv_gives_the_same_pages_other_bytes(tiny_model: str, tmp_path: Path) -> None:
+    """What makes the case: A's pages as computed alone and as computed inside B differ."""
+    log = tmp_path / "guard.jsonl"
+    _, _, sets = _variant_run(
+        tiny_model, guard_env("log", log, **INPROC), tmp_path / "store", prompts=[PROMPTS[0], VARIANT_B]
+    )
+    # A's 4 full pages were sealed twice with other digests (B's fifth page once).
+    assert sorted(sets.values()).count(2) == 4, sets
+
+
+@pytest.mark.parametrize("mode", ["quarantine", "raise", "log"])
+def test_a_load_of_an_earlier_computation_is_no_false_alarm(
+    tiny_model: str, tmp_path: Path, variant_plain: list[str], mode: str
+) -> None:
+    log = tmp_path / "guard.jsonl"
+    outs, loaded, sets = _variant_run(tiny_model, guard_env(mode, log, **INPROC), tmp_path / "store")
+    assert [line["event"] for line in read_log(log) if line["event"] in FINDINGS] == []
+    # Request by request, the same text as with the guard off in the same schedule.
+    assert [o.text for o in outs] == variant_plain
+    assert all(o.finish_reason == "length" for o in outs)
+    # A's 4 pages were loaded from the connector's first copy and checked against it.
+    assert loaded >= 4
+    assert sorted(sets.values()).count(2) >= 4, sets
+
+
+def test_a_bad_load_is_still_caught_under_batch_variant_kv(tiny_model: str, tmp_path: Path) -> None:
+    """Several digests kept per identity loosen nothing for a load that matches none of them:
+    A's first copy restored reversed, after A was computed again inside B."""
+    log = tmp_path / "guard.jsonl"
+    store = tmp_path / "store"
+    with (
+        _batch_variant_kv(),
+        _connector_engine(tiny_model, guard_env("quarantine", log, **INPROC), store) as llm,
+    ):
+        first = [
+            llm.generate([p], greedy(16), use_tqdm=False)[0].outputs[0].text for p in (PROMPTS[0], VARIANT_B)
+        ]
+        with _loads_reversed(store) as loads:
+            again = llm.generate([PROMPTS[0]], greedy(16), use_tqdm=False)[0].outputs[0]
+        assert loads
+    found = events(log, "kv_block_corrupted")
+    assert len(found) >= 4 and {line["trigger"] for line in found} == {"external_load"}
+    assert set(affected_once(log).values()) == {"healed"}
+    # Healed: recomputed alone, as A was first (same batch, same bytes, same text).
+    assert again.text == first[0]
+
+
+def test_a_consumer_checks_loads_against_every_computation_the_producer_published(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """Prefill/decode under batch-variant KV: the producer computes A, then A's pages again
+    inside B, and publishes both digest sets; the consumer loads A's stored first copy."""
+    store, digests = tmp_path / "store", tmp_path / "digests"
+    env = {**INPROC, "VLLM_KVGUARD_DIGEST_DIR": str(digests)}
+    _variant_run(
+        tiny_model,
+        guard_env("raise", tmp_path / "producer.jsonl", **env),
+        store,
+        "kv_producer",
+        [PROMPTS[0], VARIANT_B],
+    )
+    log = tmp_path / "consumer.jsonl"
+    consumed, loaded, sets = _variant_run(
+        tiny_model, guard_env("raise", log, **env), store, "kv_consumer", [PROMPTS[0]]
+    )
+    assert [line["event"] for line in read_log(log) if line["event"] in FINDINGS] == []
+    assert consumed[0].finish_reason == "length" and loaded >= 4
+    assert sorted(sets.values()).count(2) >= 4, sets  # both of the producer's sets arrived
+    # The same text as a guard-off consumer loading the same stored copy.
+    plain, _, _ = _variant_run(
+        tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, store, "kv_consumer", [PROMPTS[0]]
+    )
+    assert consumed[0].text == plain[0].text

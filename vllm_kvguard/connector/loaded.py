@@ -37,7 +37,7 @@ from vllm_kvguard.core.faults import FaultSite
 from vllm_kvguard.core.shapes import Shape
 from vllm_kvguard.digest.checks import PendingCheck
 from vllm_kvguard.digest.kernel import MISMATCH
-from vllm_kvguard.digest.loads import LoadDigests
+from vllm_kvguard.digest.loads import LoadDigests, candidates
 from vllm_kvguard.digest.pages import KVPages
 from vllm_kvguard.digest.store import DigestFolder, DigestStore
 from vllm_kvguard.digest.table import DeviceDigestTable, DigestTable
@@ -85,12 +85,15 @@ class LoadedPages:
             layout = f"L{pages.num_layers}-B{pages.bytes_per_block}-{config.hash}-rank{rank}"
             self.store = DigestFolder(config.digest_dir, layout, pages.num_layers, config.digest_dir_bytes)
         # This step: layers still to check (host path), the loaded pages with a digest and
-        # those digests, the mismatches found so far, the pages found bad (never sealed), and
+        # those digests (pages x sets x layers: every computation of the page's inputs kept,
+        # newest first, digest/loads.py), which of those sets each page still matches, the
+        # mismatches with the newest found so far, the pages found bad (never sealed), and
         # the pages never to keep as a reference (bad, or loaded without a digest).
         # (The worker's loads_left is this set: cleared and filled in place, never replaced.)
         self.left: set[int] = set()
         self.blocks: list[int] = []
-        self.expected: np.ndarray = np.zeros((0, 0), dtype=np.uint64)
+        self.expected: np.ndarray = np.zeros((0, 0, 0), dtype=np.uint64)
+        self.alive: np.ndarray = np.zeros((0, 0), dtype=bool)
         self._bad: list[tuple[int, int, int, int]] = []
         self.failed: set[int] = set()
         self.not_reference: set[int] = set()
@@ -136,7 +139,8 @@ class LoadedPages:
             self._faults_unchecked(meta)
             return
         self.blocks = [int(blocks[i]) for i in known]
-        self.expected = np.stack([expected[i] for i in known])  # type: ignore[misc]
+        self.expected = candidates([expected[i] for i in known])  # type: ignore[misc]
+        self.alive = np.ones(self.expected.shape[:2], dtype=bool)
         if not self.on_device:
             self.left.update(range(self.pages.num_layers))
 
@@ -144,29 +148,33 @@ class LoadedPages:
 
     def check(self, layers: list[int], meta: KVGuardMetadata) -> set[int] | None:
         """Hash the loaded pages of ``layers`` and compare them with their digests. When the
-        last layer is done: the pages found bad (reported once each, see :meth:`_finish`)."""
+        last layer is done: the pages found bad, those that match no computation of their
+        inputs kept here in every layer (reported once each, see :meth:`_finish`)."""
         blocks = self.blocks
         for layer in layers:
             self.left.discard(layer)
             self._inject(layer, meta)
             actual = np.asarray(self.pages.digest_layer(layer, blocks), dtype=np.uint64)
-            expected = self.expected[:, layer]
-            for i in np.flatnonzero(actual != expected).tolist():
-                self._bad.append((blocks[i], layer, int(expected[i]), int(actual[i])))
+            expected = self.expected[:, :, layer]
+            self.alive &= expected == actual[:, None]
+            for i in np.flatnonzero(actual != expected[:, 0]).tolist():
+                self._bad.append((blocks[i], layer, int(expected[i, 0]), int(actual[i])))
         if self.left:
             return None
         return self._finish(meta)
 
     def _finish(self, meta: KVGuardMetadata) -> set[int]:
-        """Every layer checked: one detection per bad page (its first bad layer)."""
+        """Every layer checked: one detection per bad page (its first layer that differs from the
+        newest computation). A page that matches an older one in every layer is not bad."""
         self._count(meta)
         out = self._out()
+        dead = {self.blocks[i] for i in np.flatnonzero(~self.alive.any(axis=1)).tolist()}
         seen: set[int] = set()
         for block, layer, want, got in self._bad:
-            if block in seen:
+            if block in seen or block not in dead:
                 continue
             seen.add(block)
-            bad_layers = sum(1 for b, *_ in self._bad if b == block)
+            bad_layers = sum(1 for b, *_ in self._bad if b == block)  # against the newest
             shape, where = self.shape(block, layer, got, self._expected_of(layer))
             out.detections.append(
                 Detection(
@@ -188,8 +196,9 @@ class LoadedPages:
         return seen
 
     def _expected_of(self, layer: int) -> dict[int, int]:
-        """This step's loaded pages by the digest each should have in ``layer``."""
-        return {int(d): b for b, d in zip(self.blocks, self.expected[:, layer].tolist(), strict=True)}
+        """This step's loaded pages by each digest they may have in ``layer`` (every computation)."""
+        rows = self.expected[:, :, layer].tolist()
+        return {int(d): b for b, row in zip(self.blocks, rows, strict=True) for d in row}
 
     def shape(
         self, block: int, layer: int, actual: int, loaded: dict[int, int]
@@ -241,12 +250,17 @@ class LoadedPages:
             ids = ids.pin_memory().to(device, non_blocking=True)
             want = want.pin_memory().to(device, non_blocking=True)
         actual, _ = self.pages.geometry.launch(ids, table=None)
-        flags = (actual.view(torch.int64) != want).to(torch.int8) * MISMATCH
+        got = actual.view(torch.int64)
+        # A page matching any computation of its inputs in every layer is good; a bad one is
+        # flagged in the layers that differ from the newest.
+        good = (got[:, None, :] == want).all(dim=-1).any(dim=-1)
+        newest = want[:, 0, :].contiguous()
+        flags = ((got != newest) & ~good[:, None]).to(torch.int8) * MISMATCH
         self.checked_on_device[meta.step] = [
             self._expected_of(layer) for layer in range(self.pages.num_layers)
         ]
         blocks, self.blocks = self.blocks, []
-        return PendingCheck(blocks, flags, actual, want.view(torch.uint64))
+        return PendingCheck(blocks, flags, actual, newest.view(torch.uint64))
 
     # ------------------------------------------------------------- after the seal
 

@@ -4,7 +4,15 @@ Another KV connector (LMCache, NIXL, an offloading connector) can load a page ba
 vLLM evicted the block that computed it. The guard keeps, for every page it sealed here, the
 page's digests (one per layer) under its identity fingerprint (digest/identity.py: the tokens,
 adapter, salt and media it was computed from); a loaded page is checked against the digests of
-its own identity before attention reads it. Bounded: least recently sealed or checked first out.
+its own identity before attention reads it.
+
+vLLM is not batch-invariant: the same tokens computed in another batch give other KV bytes, so
+one identity can be sealed with several digest sets over its life (recomputed after an eviction,
+a preemption, a connector miss), and a connector keeps whichever copy it stored first (LMCache
+skips a key it holds; ``ExampleConnector`` stores a prompt once). Each identity keeps its
+``PER_IDENTITY`` most recent distinct digest sets, newest first; a load that matches any of them
+is what one computation of its inputs gave. Bounded in bytes: least recently sealed or checked
+identity first out.
 """
 
 from __future__ import annotations
@@ -13,42 +21,82 @@ from collections import OrderedDict
 
 import numpy as np
 
-# Bytes one entry costs besides its digests: the dict's slot and node, the int key, the
-# array's header (measured with sys.getsizeof on CPython 3.11: about 200).
+# Bytes one identity costs besides its digests: the dict's slot and node, the int key, the list
+# and a bytes header per digest set (measured with sys.getsizeof on CPython 3.11: about 200, and
+# 33 a set).
 ENTRY_OVERHEAD = 200
+SET_OVERHEAD = 40
+# Distinct digest sets kept per identity: computations of the same inputs in other batches.
+PER_IDENTITY = 4
 
 
 class LoadDigests:
-    def __init__(self, num_layers: int, max_bytes: int) -> None:
+    def __init__(self, num_layers: int, max_bytes: int, per_identity: int = PER_IDENTITY) -> None:
         self.num_layers = num_layers
-        self.entry_bytes = 8 * num_layers + ENTRY_OVERHEAD
-        self.capacity = max(1, max_bytes // self.entry_bytes)
-        self._entries: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.per_identity = max(1, per_identity)
+        self.set_bytes = 8 * num_layers + SET_OVERHEAD
+        self.max_bytes = max(ENTRY_OVERHEAD + self.set_bytes, max_bytes)
+        # fingerprint -> its digest sets (each one row's bytes, layers in order), newest first.
+        self._entries: OrderedDict[int, list[bytes]] = OrderedDict()
+        self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def nbytes(self) -> int:
-        return len(self._entries) * self.entry_bytes
+        return self._bytes
+
+    def _cost(self, sets: int) -> int:
+        return ENTRY_OVERHEAD + sets * self.set_bytes
 
     def remember(self, fingerprints: np.ndarray, digests: np.ndarray) -> None:
-        """Pages sealed here: ``digests`` (pages x layers) under their ``fingerprints`` (0:
-        unknown identity, skipped)."""
+        """Pages sealed here (or published by another engine): ``digests`` (pages x layers)
+        under their ``fingerprints`` (0: unknown identity, skipped). A set the identity already
+        has moves to the front; a new one is added there, the oldest beyond ``per_identity``
+        dropped."""
         entries = self._entries
-        for fp, row in zip(fingerprints.tolist(), digests, strict=True):
-            if fp:
-                entries[fp] = row.copy()
-                entries.move_to_end(fp)
-        while len(entries) > self.capacity:
-            entries.popitem(last=False)
+        rows = np.ascontiguousarray(digests, dtype=np.uint64)
+        for fp, row in zip(fingerprints.tolist(), rows, strict=True):
+            if not fp:
+                continue
+            key = row.tobytes()
+            sets = entries.get(fp)
+            if sets is None:
+                entries[fp] = [key]
+                self._bytes += self._cost(1)
+                continue
+            before = len(sets)
+            if key in sets:
+                sets.remove(key)
+            sets.insert(0, key)
+            del sets[self.per_identity :]
+            self._bytes += (len(sets) - before) * self.set_bytes
+            entries.move_to_end(fp)
+        while self._bytes > self.max_bytes and entries:
+            _, sets = entries.popitem(last=False)
+            self._bytes -= self._cost(len(sets))
 
     def expected(self, fingerprints: np.ndarray) -> list[np.ndarray | None]:
-        """Each loaded page's digests as sealed here (None: never sealed here, or evicted)."""
+        """Each loaded page's digest sets as kept here, (sets x layers), newest first (None: never
+        sealed here, or evicted)."""
         entries = self._entries
         found: list[np.ndarray | None] = []
         for fp in fingerprints.tolist():
-            row = entries.get(fp) if fp else None
-            if row is not None:
-                entries.move_to_end(fp)
-            found.append(row)
+            sets = entries.get(fp) if fp else None
+            if sets is None:
+                found.append(None)
+                continue
+            entries.move_to_end(fp)
+            found.append(np.frombuffer(b"".join(sets), dtype=np.uint64).reshape(len(sets), self.num_layers))
         return found
+
+
+def candidates(found: list[np.ndarray]) -> np.ndarray:
+    """Pages' digest sets as one array (pages x sets x layers), the sets of pages with fewer
+    padded with copies of their newest (a copy matches only what the newest matches)."""
+    width = max(len(sets) for sets in found)
+    out = np.empty((len(found), width, found[0].shape[1]), dtype=np.uint64)
+    for i, sets in enumerate(found):
+        out[i, : len(sets)] = sets
+        out[i, len(sets) :] = sets[0]
+    return out

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_kvguard.digest.loads import LoadDigests
+from vllm_kvguard.digest.loads import ENTRY_OVERHEAD, SET_OVERHEAD, LoadDigests, candidates
 from vllm_kvguard.digest.store import SEGMENTS, DigestFolder
 
 
@@ -20,14 +20,41 @@ def test_digests_are_found_by_identity_and_unknown_ones_are_none() -> None:
     rows = _rows(3)
     store.remember(np.array([11, 0, 13], dtype=np.uint64), rows)  # 0: no known identity, skipped
     found = store.expected(np.array([13, 11, 12, 0], dtype=np.uint64))
-    assert found[0] is not None and found[0].tolist() == rows[2].tolist()
-    assert found[1] is not None and found[1].tolist() == rows[0].tolist()
+    assert found[0] is not None and found[0].tolist() == [rows[2].tolist()]
+    assert found[1] is not None and found[1].tolist() == [rows[0].tolist()]
     assert found[2] is None and found[3] is None and len(store) == 2
 
 
+def test_an_identity_keeps_each_computation_newest_first_and_bounded() -> None:
+    """The same inputs computed in other batches give other bytes: every distinct set is kept
+    (up to per_identity), a set seen again moves to the front, the oldest beyond the bound goes."""
+    store = LoadDigests(num_layers=2, max_bytes=1 << 20, per_identity=3)
+    a, b, c, d = _rows(4, 2)
+    fp = np.array([7], dtype=np.uint64)
+    for row in (a, b, a, c):
+        store.remember(fp, row[None])
+    (sets,) = store.expected(fp)
+    assert sets is not None and sets.tolist() == [c.tolist(), a.tolist(), b.tolist()]
+    store.remember(fp, d[None])
+    (sets,) = store.expected(fp)
+    assert sets is not None and sets.tolist() == [d.tolist(), c.tolist(), a.tolist()]
+    assert store.nbytes() == ENTRY_OVERHEAD + 3 * store.set_bytes
+    # Two pages of one identity in one call (a batch sealed the same prompt twice).
+    store.remember(np.array([9, 9], dtype=np.uint64), np.stack([a, b]))
+    (sets,) = store.expected(np.array([9], dtype=np.uint64))
+    assert sets is not None and sets.tolist() == [b.tolist(), a.tolist()]
+
+
+def test_candidates_pad_with_the_newest_set() -> None:
+    one, two = _rows(1, 2), _rows(2, 2, seed=1)
+    out = candidates([one, two])
+    assert out.shape == (2, 2, 2)
+    assert out[0].tolist() == [one[0].tolist(), one[0].tolist()] and out[1].tolist() == two.tolist()
+
+
 def test_the_store_is_bounded_least_recently_used_first_out() -> None:
-    store = LoadDigests(num_layers=2, max_bytes=3 * (8 * 2 + 200))
-    assert store.capacity == 3 and store.entry_bytes == 216
+    entry = ENTRY_OVERHEAD + (8 * 2 + SET_OVERHEAD)
+    store = LoadDigests(num_layers=2, max_bytes=3 * entry)
     store.remember(np.array([1, 2, 3], dtype=np.uint64), _rows(3, 2))
     store.expected(np.array([1], dtype=np.uint64))  # 1 used: 2 is now the oldest
     store.remember(np.array([4], dtype=np.uint64), _rows(1, 2, seed=1))
@@ -37,7 +64,15 @@ def test_the_store_is_bounded_least_recently_used_first_out() -> None:
         True,
         True,
     ]
-    assert store.nbytes() == 3 * 216
+    assert store.nbytes() == 3 * entry
+    # A second set for an identity costs its bytes too: the least recently used goes.
+    store.remember(np.array([1], dtype=np.uint64), _rows(1, 2, seed=2))
+    assert [r is not None for r in store.expected(np.array([1, 3, 4], dtype=np.uint64))] == [
+        True,
+        False,
+        True,
+    ]
+    assert store.nbytes() <= 3 * entry
 
 
 def test_a_folder_carries_digests_from_one_engine_to_another(tmp_path: Path) -> None:
