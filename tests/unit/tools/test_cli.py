@@ -379,3 +379,16 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(command: list[str], 
     err = proc.stderr.decode()
     assert proc.returncode == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_every_subcommand_says_what_it_does_in_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvguard config --help` once printed usage and nothing else."""
+    for command in ("config", "doctor", "report", "drill", "bench", "model"):
+        with pytest.raises(SystemExit) as info:
+            main([command, "--help"])
+        assert info.value.code == 0
+        usage, _, rest = capsys.readouterr().out.partition("\n\n")
+        description = rest.split("\n\n")[0]
+        assert usage.startswith(f"usage: kvguard {command}"), command
+        assert not description.startswith(("options:", "positional arguments:")), command
+        assert len(description) > 40, command
