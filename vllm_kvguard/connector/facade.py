@@ -174,7 +174,7 @@ class KVGuardConnector(KVConnectorBase_V1):
             )
             if not patches.patch_scheduler(find_guard):
                 self.scheduler.finish = None  # nothing could hold or put back a final output
-            if self.scheduler.finish is not None and patches.patch_stop_strings(find_guard):
+            if self.scheduler.finish is not None and patches.stop_strings_checkable():
                 # Requests that end on a stop string end in the engine, held like EOS ends.
                 self.scheduler.stop_strings = StopStrings(vllm_config.model_config, log)
             if self.scheduler.finish is not None:
@@ -326,12 +326,16 @@ class KVGuardConnector(KVConnectorBase_V1):
     def before_output(self, vllm_scheduler: Any, scheduler_output: Any, connector_output: Any) -> None:
         """Called by the ``Scheduler.update_from_output`` patch before vLLM handles the step."""
         assert self.scheduler is not None
+        stop_strings = self.scheduler.stop_strings
+        if self.active and stop_strings is not None:
+            # vLLM appends this step's tokens next: checked for stop strings while any may end so.
+            patches.check_stop_strings(vllm_scheduler, find_guard, stop_strings.watching)
         if self.active and connector_output is not None:
             self.scheduler.before_output(vllm_scheduler, scheduler_output, connector_output)
 
     @fail_open(lambda self: False)
     def ends_on_stop_string(self, request: Any, new_token_ids: list[int]) -> bool:
-        """Called by the ``Scheduler._update_request_with_output`` patch: whether the request's
+        """Called by the ``Scheduler._update_request_with_output`` wrapper: whether the request's
         new tokens complete one of its stop strings (connector/stop_strings.py)."""
         stop_strings = self.scheduler.stop_strings if self.scheduler is not None else None
         return self.active and stop_strings is not None and stop_strings.ends(request, new_token_ids)

