@@ -84,6 +84,13 @@ def engine(model: str, env: dict[str, str], **overrides: Any) -> Iterator[Any]:
                 llm.llm_engine.engine_core.shutdown()
                 del llm
                 gc.collect()
+        else:
+            # An engine that failed to start in this process (an in-process engine core) can leave
+            # its worker's KV connector as vLLM's process-wide transfer group: the next engine
+            # here, even with no connector, would take it for its own.
+            from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+            ensure_kv_transfer_shutdown()
 
 
 def guard_env(mode: str, log_file: Path, **extra: str) -> dict[str, str]:
