@@ -60,12 +60,5 @@ def break_hashing(_worker: Any = None) -> None:
 def load_digest_sets(_worker: Any = None) -> dict[int, int]:
     """{identity fingerprint: distinct digest sets kept for it} in this worker's store of sealed
     pages' digests (beside another KV connector; empty otherwise)."""
-    import numpy as np
-
     loaded = getattr(_guard(), "loaded", None)
-    if loaded is None:
-        return {}
-    store = loaded.digests
-    fps = list(store._entries)
-    found = store.expected(np.array(fps, dtype=np.uint64))
-    return {fp: len(sets) for fp, sets in zip(fps, found, strict=True) if sets is not None}
+    return {} if loaded is None else loaded.digests.set_counts()

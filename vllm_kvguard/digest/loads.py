@@ -90,6 +90,11 @@ class LoadDigests:
             found.append(np.frombuffer(b"".join(sets), dtype=np.uint64).reshape(len(sets), self.num_layers))
         return found
 
+    def set_counts(self) -> dict[int, int]:
+        """Each kept identity's number of distinct digest sets (what tests and drills inspect;
+        unlike :meth:`expected`, it leaves the least-recently-used order as it is)."""
+        return {fp: len(sets) for fp, sets in self._entries.items()}
+
 
 def candidates(found: list[np.ndarray]) -> np.ndarray:
     """Pages' digest sets as one array (pages x sets x layers), the sets of pages with fewer
