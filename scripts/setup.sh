@@ -41,6 +41,13 @@ if ! .venv/bin/python -c "import vllm" >/dev/null 2>&1; then
   "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 
+if ! .venv/bin/python -c "import lmcache" >/dev/null 2>&1; then
+  # The real LMCache for tests/engine/test_lmcache.py (LMCacheMPConnector and its server run on
+  # the CPU build). Without its own dependencies: pip must never replace vLLM's torch.
+  echo "== installing lmcache 0.5.6 (a test dependency)"
+  quiet "${pip[@]}" install --no-deps lmcache==0.5.6 sortedcontainers aiofile caio
+fi
+
 echo "== installing vllm-kvguard (editable) with dev tools"
 quiet "${pip[@]}" install -e '.[dev]'
 .venv/bin/python -c "import vllm, vllm_kvguard; print('vllm', vllm.__version__, '| vllm-kvguard', vllm_kvguard.__version__)"
