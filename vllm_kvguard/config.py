@@ -92,6 +92,7 @@ class KVGuardConfig:
     hash: HashAlgorithm = HashAlgorithm.XXH3_64
     quarantine_max_fraction: float = 0.02
     load_digests_bytes: int = 16 << 20
+    load_digest_sets: int = 4
     digest_dir: str | None = None
     digest_dir_bytes: int = 256 << 20
     log_format: LogFormat = LogFormat.AUTO
@@ -213,6 +214,13 @@ def _steps(var: str, raw: str) -> int:
     return int(text)
 
 
+def _digest_sets(var: str, raw: str) -> int:
+    text = raw.strip()
+    if not text.isdigit() or not 1 <= int(text) <= 64:
+        raise KVGuardConfigError(var, raw, "a whole number of digest sets per page identity, 1 to 64")
+    return int(text)
+
+
 def _port(var: str, raw: str) -> int | None:
     text = raw.strip()
     if not text:
@@ -291,6 +299,7 @@ _VARIABLES = {
     "_HASH": ("hash", lambda var, raw: _choice(var, raw, HashAlgorithm)),
     "_QUARANTINE_MAX_FRACTION": ("quarantine_max_fraction", _fraction),
     "_LOAD_DIGESTS": ("load_digests_bytes", _bytes),
+    "_LOAD_DIGEST_SETS": ("load_digest_sets", _digest_sets),
     "_DIGEST_DIR": ("digest_dir", _digest_dir),
     "_DIGEST_DIR_BYTES": ("digest_dir_bytes", _bytes),
     "_LOG_FORMAT": ("log_format", lambda var, raw: _choice(var, raw, LogFormat)),

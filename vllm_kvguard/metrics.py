@@ -22,6 +22,9 @@ from vllm_kvguard.core.faults import FaultKind
 from vllm_kvguard.core.shapes import SHAPES
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0)
+# Relative L2 distances between two computations of one page (digest/sketch.py: the sketch's
+# tolerance is 0.1).
+DISTANCE_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class Series:
     # Label values created at zero up front: Prometheus' increase() needs a sample
     # before the first event, or a counter born at 1 never shows an increase.
     values: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = LATENCY_BUCKETS  # histograms
 
 
 SERIES = (
@@ -138,12 +142,25 @@ SERIES = (
         "vllm:kvguard_pages_loaded",
         "counter",
         "KV pages another KV connector (LMCache, NIXL, offloading, ...) loaded into this engine, "
-        "by whether they were checked against the digests sealed here for the same inputs "
-        "before attention read them (yes; a mismatch is a kv_block_corrupted, trigger "
-        "external_load) or not (no: never sealed here, or evicted from VLLM_KVGUARD_LOAD_DIGESTS). "
-        "Either way sealed as loaded and guarded from then on.",
+        "by how they were verified before attention read them: exact (equal to a computation of "
+        "the same inputs sealed here or published by the producer), approx (equal to none kept, "
+        "within the sketch tolerance of the first computation: vLLM is not batch-invariant), no "
+        "(never sealed here, or evicted from VLLM_KVGUARD_LOAD_DIGESTS), bad (neither exact nor "
+        "approx: a kv_block_corrupted, trigger external_load, never sealed). Loads verified or "
+        "not are sealed as loaded and guarded from then on.",
         "verified",
-        ("yes", "no"),
+        ("exact", "approx", "bad", "no"),
+    ),
+    Series(
+        "recompute_distance",
+        "vllm:kvguard_recomputation_distance",
+        "histogram",
+        "Relative L2 distance between a page and the first computation of the same inputs, "
+        "estimated from their sketches, observed when a page is sealed with bytes other than "
+        "every earlier computation of its inputs (beside another KV connector: vLLM is not "
+        "batch-invariant). The spread of clean recomputations on this hardware: the sketch "
+        "tolerance (0.1) must stay well above it.",
+        buckets=DISTANCE_BUCKETS,
     ),
     Series(
         "finish_held",
@@ -269,7 +286,7 @@ def build_metrics(
             out[s.key] = gauge_cls(name=s.name, documentation=s.doc, labelnames=labels, **kw)
         else:
             out[s.key] = histogram_cls(
-                name=s.name, documentation=s.doc, labelnames=labels, buckets=LATENCY_BUCKETS, **kw
+                name=s.name, documentation=s.doc, labelnames=labels, buckets=s.buckets, **kw
             )
     return out
 

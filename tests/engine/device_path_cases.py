@@ -305,7 +305,7 @@ def test_loads_beside_a_connector_are_checked_on_the_device_without_a_false_alar
     ) as llm:
         assert _guard_type(llm)["table"] == "DeviceDigestTable"
         texts = _workload(llm)
-        checked = metric(llm, "vllm:kvguard_pages_loaded", verified="yes")
+        checked = metric(llm, "vllm:kvguard_pages_loaded", verified="exact")
         unchecked = metric(llm, "vllm:kvguard_pages_loaded", verified="no")
     assert [line["event"] for line in read_log(log) if line["event"] in FINDINGS] == []
     assert texts == plain
@@ -329,7 +329,10 @@ def test_a_load_of_an_earlier_computation_is_no_false_alarm_on_the_device(
     outs, loaded, sets = _variant_run(tiny_model, guard_env("raise", log, **KVG64, **INPROC), tmp_path / "s")
     assert [line["event"] for line in read_log(log) if line["event"] in FINDINGS] == []
     assert [o.text for o in outs] == [o.text for o in plain]
-    assert loaded >= 4 and sorted(sets.values()).count(2) >= 4, (loaded, sets)
+    assert loaded == {"exact": 4, "approx": 0, "bad": 0, "no": 0} and sorted(sets.values()).count(2) >= 4, (
+        loaded,
+        sets,
+    )
 
 
 @pytest.mark.parametrize("mode", ["quarantine", "raise"])
@@ -401,3 +404,34 @@ def test_the_finish_check_on_the_device_fails_the_request_that_ended(
     assert r["finals"]["ending"].outputs[0].finish_reason == "error"
     for name in PROMPTS:
         assert honest(r["finals"][name], r["clean"][name]), name
+
+
+def test_loads_without_an_exact_digest_are_verified_and_caught_by_their_sketch_on_the_device(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """tests/engine/test_connectors.py's shared store (another engine computed A alone and the
+    connector kept that copy; this one computed A's pages only inside B) with the seals, the
+    sketches and the load check on the device: the clean copy verified by its sketch, the same
+    copy restored reversed caught by it, with the guard-off control."""
+    from tests.engine.harness import FINDINGS, affected_once, read_log
+    from tests.engine.test_connectors import INPROC as CONNECTOR_INPROC
+    from tests.engine.test_connectors import _shared_store_run
+
+    plain, _ = _shared_store_run(tiny_model, {"VLLM_KVGUARD": "0", **CONNECTOR_INPROC}, tmp_path / "plain")
+    log = tmp_path / "clean.jsonl"
+    outs, loaded = _shared_store_run(tiny_model, guard_env("raise", log, **KVG64, **INPROC), tmp_path / "s")
+    assert [line["event"] for line in read_log(log) if line["event"] in FINDINGS] == []
+    assert [o.text for o in outs] == [o.text for o in plain]
+    assert loaded == {"exact": 0, "approx": 4, "bad": 0, "no": 0}, loaded
+    control, _ = _shared_store_run(
+        tiny_model, {"VLLM_KVGUARD": "0", **CONNECTOR_INPROC}, tmp_path / "control", reverse=True
+    )
+    assert control[2].text != plain[2].text
+    log = tmp_path / "bad.jsonl"
+    outs, loaded = _shared_store_run(
+        tiny_model, guard_env("quarantine", log, **KVG64, **INPROC), tmp_path / "b", reverse=True
+    )
+    assert loaded == {"exact": 0, "approx": 0, "bad": 4, "no": 0}, loaded
+    assert len(events(log, "kv_block_corrupted")) == 4
+    assert set(affected_once(log).values()) == {"healed"}
+    assert outs[2].text == plain[0].text  # recomputed alone, as the other engine computed A

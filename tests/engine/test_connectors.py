@@ -80,7 +80,7 @@ def _workload(llm: Any) -> list[str]:
 def _run(model: str, env: dict[str, str], store: Path, prefix_caching: bool) -> tuple[list[str], float]:
     with _connector_engine(model, env, store, prefix_caching) as llm:
         texts = _workload(llm)
-        loaded = metric(llm, "vllm:kvguard_pages_loaded", verified="yes")
+        loaded = metric(llm, "vllm:kvguard_pages_loaded", verified="exact")
         assert metric(llm, "vllm:kvguard_pages_loaded", verified="no") == 0
     return texts, loaded
 
@@ -111,7 +111,7 @@ def test_pages_another_connector_loads_raise_no_false_alarm(
     assert texts == plain[prefix_caching]
     # The second pass really loaded pages through the other connector (4 full pages a prompt,
     # less those still in the local prefix cache), and each was checked against the digests
-    # sealed here for the same inputs when they were computed (verified="yes").
+    # sealed here for the same inputs when they were computed (verified="exact").
     assert loaded >= (4 if prefix_caching else 12), loaded
     started = [line for line in lines if line["event"] == "kvguard_started" and line["role"] == "scheduler"]
     assert started and started[0]["config"]["verify"] == verify
@@ -179,7 +179,7 @@ def _bad_load_run(
         with _loads_reversed(store, transform) as loads:
             second = [o.outputs[0] for o in llm.generate(PROMPTS, greedy(16), use_tqdm=False)]
         assert len(loads) >= len(PROMPTS)  # every prompt's layers were loaded (wrongly)
-        checked = metric(llm, "vllm:kvguard_pages_loaded", verified="yes")
+        checked = metric(llm, "vllm:kvguard_pages_loaded", verified="bad")
     return first, second, checked, applied
 
 
@@ -265,7 +265,7 @@ def _role_run(
     with _connector_engine(model, env, store, role=role) as llm:
         with _loads_reversed(store) if reverse else contextlib.nullcontext():
             outs = [o.outputs[0] for o in llm.generate(PROMPTS, greedy(16), use_tqdm=False)]
-        checked = metric(llm, "vllm:kvguard_pages_loaded", verified="yes")
+        checked = metric(llm, "vllm:kvguard_pages_loaded", verified="exact")
         unchecked = metric(llm, "vllm:kvguard_pages_loaded", verified="no")
     return outs, checked, unchecked
 
@@ -331,6 +331,7 @@ def test_a_consumer_engine_checks_what_it_loads_against_the_producers_digests(
 # false finding and raise mode failed clean requests.
 
 VARIANT_B = PROMPTS[0] + " " + words(300, 38)
+VERIFIED = ("exact", "approx", "bad", "no")
 
 
 @contextlib.contextmanager
@@ -354,7 +355,7 @@ def _variant_run(
     model: str, env: dict[str, str], store: Path, role: str = "kv_both", prompts: Any = None
 ) -> Any:
     """Each prompt alone, in order (A, B, A by default), under batch-variant KV: the outputs, the
-    pages loaded and checked, and each kept identity's number of digest sets."""
+    pages loaded by how they were verified, and each kept identity's number of digest sets."""
     from vllm_kvguard import testing
 
     with _batch_variant_kv(), _connector_engine(model, env, store, role=role) as llm:
@@ -362,7 +363,7 @@ def _variant_run(
             llm.generate([p], greedy(16), use_tqdm=False)[0].outputs[0]
             for p in prompts or (PROMPTS[0], VARIANT_B, PROMPTS[0])
         ]
-        loaded = metric(llm, "vllm:kvguard_pages_loaded", verified="yes")
+        loaded = {v: metric(llm, "vllm:kvguard_pages_loaded", verified=v) for v in VERIFIED}
         sets = llm.collective_rpc(testing.load_digest_sets)[0] if env.get("VLLM_KVGUARD") == "1" else {}
     return outs, loaded, sets
 
@@ -394,7 +395,7 @@ def test_a_load_of_an_earlier_computation_is_no_false_alarm(
     assert [o.text for o in outs] == variant_plain
     assert all(o.finish_reason == "length" for o in outs)
     # A's 4 pages were loaded from the connector's first copy and checked against it.
-    assert loaded >= 4
+    assert loaded == {"exact": 4, "approx": 0, "bad": 0, "no": 0}
     assert sorted(sets.values()).count(2) >= 4, sets
 
 
@@ -439,10 +440,106 @@ def test_a_consumer_checks_loads_against_every_computation_the_producer_publishe
         tiny_model, guard_env("raise", log, **env), store, "kv_consumer", [PROMPTS[0]]
     )
     assert [line["event"] for line in read_log(log) if line["event"] in FINDINGS] == []
-    assert consumed[0].finish_reason == "length" and loaded >= 4
+    assert consumed[0].finish_reason == "length" and loaded == {"exact": 4, "approx": 0, "bad": 0, "no": 0}
     assert sorted(sets.values()).count(2) >= 4, sets  # both of the producer's sets arrived
     # The same text as a guard-off consumer loading the same stored copy.
     plain, _, _ = _variant_run(
         tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, store, "kv_consumer", [PROMPTS[0]]
     )
     assert consumed[0].text == plain[0].text
+
+
+# ------------------------------------------------------------- without the exact digest
+# One digest set kept per identity (VLLM_KVGUARD_LOAD_DIGEST_SETS=1): once A's pages are computed
+# again inside B, only B's computation is kept exactly, and A's first copy (what the connector
+# loads) matches it in no layer. The sketch of A's first computation, kept beside the digests,
+# still tells a clean copy (within the tolerance) from a wrong one (far outside it).
+ONE_SET = {"VLLM_KVGUARD_LOAD_DIGEST_SETS": "1"}
+
+
+@pytest.mark.parametrize("mode", ["quarantine", "raise", "log"])
+def test_a_load_whose_exact_digest_is_not_kept_is_verified_by_its_sketch(
+    tiny_model: str, tmp_path: Path, variant_plain: list[str], mode: str
+) -> None:
+    log = tmp_path / "guard.jsonl"
+    outs, loaded, sets = _variant_run(
+        tiny_model, guard_env(mode, log, **INPROC, **ONE_SET), tmp_path / "store"
+    )
+    assert [line["event"] for line in read_log(log) if line["event"] in FINDINGS] == []
+    assert [o.text for o in outs] == variant_plain
+    # No exact digest of A's first computation left: A's 4 loaded pages verified by their sketch.
+    assert set(sets.values()) == {1}
+    assert loaded == {"exact": 0, "approx": 4, "bad": 0, "no": 0}
+
+
+# Another engine sharing the connector's store (one that publishes no digests: here with the guard
+# off) computed A alone and the connector kept that copy; this engine computed A's pages only
+# inside B (other bytes), then loads A: no digest set of its own matches the other engine's bytes,
+# and A's sketch (from B's computation) is within the tolerance: batch variance, not a bug.
+
+
+def _shared_store_run(
+    model: str, env: dict[str, str], store: Path, reverse: bool = False
+) -> tuple[list[Any], dict[str, float]]:
+    """Engine 1 (guard off): A alone, stored. Engine 2 (``env``): B, then A loaded from engine
+    1's copy (restored reversed with ``reverse``). The three outputs (engine 1's A, engine 2's B
+    and A) and engine 2's loads by verdict."""
+    with _batch_variant_kv():
+        with _connector_engine(model, {"VLLM_KVGUARD": "0", **INPROC}, store) as llm:
+            outs = [llm.generate([PROMPTS[0]], greedy(16), use_tqdm=False)[0].outputs[0]]
+        with _connector_engine(model, env, store) as llm:
+            outs.append(llm.generate([VARIANT_B], greedy(16), use_tqdm=False)[0].outputs[0])
+            with _loads_reversed(store) if reverse else contextlib.nullcontext([1]) as loads:
+                outs.append(llm.generate([PROMPTS[0]], greedy(16), use_tqdm=False)[0].outputs[0])
+            assert loads
+            guarded = env.get("VLLM_KVGUARD") == "1"
+            verdicts = (
+                {v: metric(llm, "vllm:kvguard_pages_loaded", verified=v) for v in VERIFIED} if guarded else {}
+            )
+    return outs, verdicts
+
+
+@pytest.fixture(scope="module")
+def shared_plain(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    outs, _ = _shared_store_run(
+        tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, tmp_path_factory.mktemp("shared")
+    )
+    return [o.text for o in outs]
+
+
+@pytest.mark.parametrize("mode", ["quarantine", "raise", "log"])
+def test_a_load_another_engine_computed_is_verified_by_the_sketch_of_our_computation(
+    tiny_model: str, tmp_path: Path, shared_plain: list[str], mode: str
+) -> None:
+    log = tmp_path / "guard.jsonl"
+    outs, loaded = _shared_store_run(tiny_model, guard_env(mode, log, **INPROC), tmp_path / "store")
+    assert [line["event"] for line in read_log(log) if line["event"] in FINDINGS] == []
+    assert [o.text for o in outs] == shared_plain
+    # No exact match (engine 2 never saw engine 1's bytes): A's 4 pages verified by their sketch.
+    assert loaded == {"exact": 0, "approx": 4, "bad": 0, "no": 0}
+
+
+@pytest.mark.parametrize(("mode", "outcome"), [("quarantine", "healed"), ("raise", "failed")])
+def test_a_bad_load_another_engine_computed_is_caught_by_the_sketch(
+    tiny_model: str, tmp_path: Path, shared_plain: list[str], mode: str, outcome: str
+) -> None:
+    # Control: the same reversed load with the guard off changes A's text.
+    plain, _ = _shared_store_run(
+        tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, tmp_path / "plain", reverse=True
+    )
+    assert plain[2].text != shared_plain[2]
+    log = tmp_path / "guard.jsonl"
+    outs, loaded = _shared_store_run(
+        tiny_model, guard_env(mode, log, **INPROC), tmp_path / "store", reverse=True
+    )
+    assert loaded == {"exact": 0, "approx": 0, "bad": 4, "no": 0}
+    found = events(log, "kv_block_corrupted")
+    assert len(found) == 4 and {line["trigger"] for line in found} == {"external_load"}
+    # Each found by its sketch: far outside the tolerance.
+    assert all(line["where"]["sketch_distance"] > 0.5 for line in found), [line["where"] for line in found]
+    assert set(affected_once(log).values()) == {outcome}
+    if outcome == "failed":
+        assert outs[2].finish_reason == "error"
+    else:  # recomputed alone, as engine 1 computed A: the same bytes, the same text
+        assert outs[2].text == shared_plain[0]
+    assert outs[1].text == shared_plain[1]  # B read no bad page

@@ -130,7 +130,7 @@ def test_connectors_doc_one_server_beside_example_connector(tmp_path: Path) -> N
         answers, loads = _answers_and_loads(run_client(rewrite(blocks["beside-client"])))
     assert len(answers) == 2 and answers[0].strip() and answers[0] == answers[1]
     # The second request's full page came from the connector and was checked (as documented).
-    assert loads == _documented(CONNECTORS, "vllm:kvguard_pages_loaded_total")[:2]
+    assert loads == _documented(CONNECTORS, "vllm:kvguard_pages_loaded_total")[:4]
     assert "External Cache Hit" in (tmp_path / "server.log").read_text()
 
 
@@ -142,5 +142,5 @@ def test_connectors_doc_producer_and_consumer(tmp_path: Path) -> None:
         answers, loads = _answers_and_loads(run_client(rewrite(blocks["pd-client"])))
     assert len(answers) == 2 and answers[0].strip() and answers[0] == answers[1]
     # The consumer checked the page it loaded against the producer's published digest.
-    assert loads == _documented(CONNECTORS, "vllm:kvguard_pages_loaded_total")[2:]
+    assert loads == _documented(CONNECTORS, "vllm:kvguard_pages_loaded_total")[4:]
     assert list((tmp_path / "kvguard-digests").glob("*/*.bin"))

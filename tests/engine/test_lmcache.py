@@ -54,6 +54,7 @@ A = words(17, 4 * BLOCK + 2)
 B = A + " " + words(300, 38)
 WARM_UP = words(900, 40)
 LMCACHE = Path(sys.executable).with_name("lmcache")
+VERIFIED = ("exact", "approx", "bad", "no")
 
 
 def _free_port() -> int:
@@ -196,7 +197,9 @@ def _lmcache_run(model: str, env: dict[str, str], tmp: Path, *, miss: bool, wron
         assert lost, "B's lookup found nothing of A to lose: the case did not happen"
         outs.append(llm.generate([A], greedy(16), use_tqdm=False)[0])
         guarded = env.get("VLLM_KVGUARD") == "1"
-        loaded = metric(llm, "vllm:kvguard_pages_loaded", verified="yes") if guarded else 0
+        loaded = (
+            {v: metric(llm, "vllm:kvguard_pages_loaded", verified=v) for v in VERIFIED} if guarded else {}
+        )
         sets = llm.collective_rpc(testing.load_digest_sets)[0] if guarded else {}
     return outs, loaded, list(bad), sets
 
@@ -227,7 +230,8 @@ def test_lmcache_load_after_a_recomputation_is_no_false_alarm(
     assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 3
     # A's 4 pages loaded from LMCache's first copy, each checked at load, while the guard kept
     # two digest sets for each (A alone, A inside B: the recomputation gave other bytes).
-    assert outs[2].num_cached_tokens == 4 * BLOCK and loaded == 4
+    assert outs[2].num_cached_tokens == 4 * BLOCK
+    assert loaded == {"exact": 4, "approx": 0, "bad": 0, "no": 0}
     assert sorted(sets.values()).count(2) == 4, sets
 
 
@@ -249,7 +253,7 @@ def test_lmcache_load_restored_reversed_is_caught_under_batch_variant_kv(
     outs, loaded, bad, _ = _lmcache_run(
         tiny_model, guard_env(mode, log, **INPROC), tmp_path, miss=True, wrong=True
     )
-    assert len(bad) == 4 and loaded == 4
+    assert len(bad) == 4 and loaded == {"exact": 0, "approx": 0, "bad": 4, "no": 0}
     found = events(log, "kv_block_corrupted")
     assert sorted(line["block_id"] for line in found) == sorted(bad)
     assert {line["trigger"] for line in found} == {"external_load"}

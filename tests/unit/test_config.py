@@ -19,6 +19,7 @@ def test_all_variables_parse() -> None:
             "VLLM_KVGUARD_MODE": "Raise",
             "VLLM_KVGUARD_HASH": "xxh64",
             "VLLM_KVGUARD_QUARANTINE_MAX_FRACTION": "0.5",
+            "VLLM_KVGUARD_LOAD_DIGEST_SETS": " 2",
             "VLLM_KVGUARD_LOG_FORMAT": "console",
             "VLLM_KVGUARD_LOG_FILE": "/tmp/x.jsonl",
             "VLLM_KVGUARD_LOG_LEVEL": "warning",
@@ -27,7 +28,7 @@ def test_all_variables_parse() -> None:
         }
     )
     assert config.enabled and config.mode is Mode.RAISE and config.hash is HashAlgorithm.XXH64
-    assert config.quarantine_max_fraction == 0.5
+    assert config.quarantine_max_fraction == 0.5 and config.load_digest_sets == 2
     assert config.log_format is LogFormat.CONSOLE and config.log_file == "/tmp/x.jsonl"
     assert config.log_level == "WARNING" and config.inject == "bitflip:count=2"
 
@@ -55,6 +56,8 @@ def test_switch_off_values(value: str) -> None:
         ("VLLM_KVGUARD_VERIFY_EVERY", "0", "a whole number of engine steps, 1 to 1000000"),
         ("VLLM_KVGUARD_VERIFY_EVERY", "2.5", "(1: every step)"),
         ("VLLM_KVGUARD_VERIFY_EVERY", "-1", "1 to 1000000"),
+        ("VLLM_KVGUARD_LOAD_DIGEST_SETS", "0", "digest sets per page identity, 1 to 64"),
+        ("VLLM_KVGUARD_LOAD_DIGEST_SETS", "many", "1 to 64"),
     ],
 )
 def test_bad_values_name_variable_value_and_accepted(variable: str, value: str, accepted: str) -> None:

@@ -15,9 +15,15 @@ connector loads is compared with the digests of its own identity:
   reach the host store through one non-blocking copy per sealing step, read at a later bind
   (a step with loads waits for the previous steps' copies: the only wait loads add).
 
+A page that matches none of the digest sets kept for its identity is compared with the
+identity's sketch (digest/sketch.py: the first computation's, kept beside the digests) within
+the sketch's tolerance: vLLM is not batch-invariant, and the connector's copy may be a
+computation whose exact digests are no longer kept. Counted ``verified="approx"``; only a page
+outside the tolerance (or with no sketch) is bad.
+
 Pages whose identity has no digest here are counted as loaded unverified, sealed as loaded,
 and never kept or published as a reference (nothing says their bytes are what their inputs
-compute).
+compute); nor are pages verified by their sketch alone.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from vllm_kvguard.digest.checks import PendingCheck
 from vllm_kvguard.digest.kernel import MISMATCH
 from vllm_kvguard.digest.loads import LoadDigests, candidates
 from vllm_kvguard.digest.pages import KVPages
+from vllm_kvguard.digest.sketch import WIDTH, PageSketches, distance, matches
 from vllm_kvguard.digest.store import DigestFolder, DigestStore
 from vllm_kvguard.digest.table import DeviceDigestTable, DigestTable
 
@@ -51,6 +58,7 @@ class _SealedOnDevice:
     blocks: np.ndarray
     fingerprints: np.ndarray
     digests: torch.Tensor  # int64 (pages, layers): pinned host memory on a GPU
+    sketches: torch.Tensor  # float32 (pages, layers, WIDTH): likewise
     event: Any  # the copy's CUDA event (None off CUDA)
 
     def ready(self) -> bool:
@@ -76,13 +84,14 @@ class LoadedPages:
         self.counters = counters
         self._out = out
         self.on_device = isinstance(table, DeviceDigestTable)
-        self.digests = LoadDigests(pages.num_layers, config.load_digests_bytes)
+        self.digests = LoadDigests(pages.num_layers, config.load_digests_bytes, config.load_digest_sets)
+        self.sketcher = PageSketches(pages.tensors)
         # VLLM_KVGUARD_DIGEST_DIR: the digests this engine seals, published for other engines (a
         # decode engine loading a prefill engine's pages), and theirs, fetched on a miss. Only the
         # same shard of the same layout is comparable.
         self.store: DigestStore | None = None
         if config.digest_dir:
-            layout = f"L{pages.num_layers}-B{pages.bytes_per_block}-{config.hash}-rank{rank}"
+            layout = f"L{pages.num_layers}-B{pages.bytes_per_block}-{config.hash}-S{WIDTH}-rank{rank}"
             self.store = DigestFolder(config.digest_dir, layout, pages.num_layers, config.digest_dir_bytes)
         # This step: layers still to check (host path), the loaded pages with a digest and
         # those digests (pages x sets x layers: every computation of the page's inputs kept,
@@ -94,6 +103,8 @@ class LoadedPages:
         self.blocks: list[int] = []
         self.expected: np.ndarray = np.zeros((0, 0, 0), dtype=np.uint64)
         self.alive: np.ndarray = np.zeros((0, 0), dtype=bool)
+        # The same pages' kept sketches (pages x sketched layers x WIDTH; NaN: none).
+        self.kept: np.ndarray = np.zeros((0, 0, WIDTH), dtype=np.float32)
         self._bad: list[tuple[int, int, int, int]] = []
         self.failed: set[int] = set()
         self.not_reference: set[int] = set()
@@ -102,6 +113,8 @@ class LoadedPages:
         # bad one that holds another's KV when its check is read).
         self._sealed: list[_SealedOnDevice] = []
         self.checked_on_device: dict[int, list[dict[int, int]]] = {}
+        # Device path, by step: which checked pages matched a digest set, which their sketch.
+        self._verdicts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def nbytes(self) -> int:
         return self.digests.nbytes()
@@ -141,6 +154,11 @@ class LoadedPages:
         self.blocks = [int(blocks[i]) for i in known]
         self.expected = candidates([expected[i] for i in known])  # type: ignore[misc]
         self.alive = np.ones(self.expected.shape[:2], dtype=bool)
+        kept = self.digests.sketches([int(fingerprints[i]) for i in known])
+        self.kept = np.full((len(known), len(self.sketcher.layers), WIDTH), np.nan, dtype=np.float32)
+        for i, sketch in enumerate(kept):
+            if sketch is not None:
+                self.kept[i] = sketch
         if not self.on_device:
             self.left.update(range(self.pages.num_layers))
 
@@ -166,9 +184,20 @@ class LoadedPages:
     def _finish(self, meta: KVGuardMetadata) -> set[int]:
         """Every layer checked: one detection per bad page (its first layer that differs from the
         newest computation). A page that matches an older one in every layer is not bad."""
-        self._count(meta)
+        exact = self.alive.any(axis=1)
+        # Pages no kept computation matches in every layer: by their sketch, where one is kept.
+        approx = np.zeros_like(exact)
+        far: dict[int, float] = {}
+        need = np.flatnonzero(~exact & ~np.isnan(self.kept[:, 0, 0]))
+        if len(need):
+            loaded = self.sketcher.compute([self.blocks[i] for i in need.tolist()]).cpu()
+            kept = torch.from_numpy(self.kept[need])
+            approx[need] = matches(loaded, kept).all(dim=-1).numpy()
+            d = np.nan_to_num(distance(loaded, kept).amax(dim=-1).numpy(), nan=np.inf)
+            far = {self.blocks[i]: float(x) for i, x in zip(need.tolist(), d.tolist(), strict=True)}
+        dead = {self.blocks[i] for i in np.flatnonzero(~exact & ~approx).tolist()}
+        self._count(meta, int(np.count_nonzero(exact)), int(np.count_nonzero(approx)), len(dead))
         out = self._out()
-        dead = {self.blocks[i] for i in np.flatnonzero(~self.alive.any(axis=1)).tolist()}
         seen: set[int] = set()
         for block, layer, want, got in self._bad:
             if block in seen or block not in dead:
@@ -176,6 +205,8 @@ class LoadedPages:
             seen.add(block)
             bad_layers = sum(1 for b, *_ in self._bad if b == block)  # against the newest
             shape, where = self.shape(block, layer, got, self._expected_of(layer))
+            if block in far:
+                where["sketch_distance"] = round(far[block], 4) if np.isfinite(far[block]) else "nan"
             out.detections.append(
                 Detection(
                     self.rank,
@@ -190,7 +221,8 @@ class LoadedPages:
                     where=where | {"layers_bad": bad_layers},
                 )
             )
-        self.not_reference |= seen
+        # Bad, or verified by its sketch alone: never kept as a reference.
+        self.not_reference |= seen | {self.blocks[i] for i in np.flatnonzero(approx).tolist()}
         self.failed = seen
         self.blocks, self._bad = [], []
         return seen
@@ -225,12 +257,20 @@ class LoadedPages:
         where["why"] = "a loaded page: only its digests are kept, no syndrome"
         return str(Shape.UNDIAGNOSED), where
 
-    def _count(self, meta: KVGuardMetadata) -> None:
+    def _count(self, meta: KVGuardMetadata, exact: int | None, approx: int = 0, bad: int = 0) -> None:
+        """A step's checked loads (by how they were verified: ``exact`` None on the device
+        path, counted when its check is read, :meth:`count_settled`)."""
         n = len(self.blocks)
-        self.counters.add("pages_loaded", n, label="yes")
+        if exact is not None:
+            self._count_verdicts(exact, approx, bad)
         self.counters.add("verified", n, label="external_load")
         self.counters.add("bytes_hashed", n * self.pages.bytes_per_block, label="verify")
         self._out().verified_steps.add(meta.step)
+
+    def _count_verdicts(self, exact: int, approx: int, bad: int) -> None:
+        for label, n in (("exact", exact), ("approx", approx), ("bad", bad)):
+            if n:
+                self.counters.add("pages_loaded", n, label=label)
 
     # ------------------------------------------------------------- device path
 
@@ -242,7 +282,7 @@ class LoadedPages:
         assert isinstance(self.table, DeviceDigestTable) and self.pages.geometry is not None
         for layer in range(self.pages.num_layers):
             self._inject(layer, meta)
-        self._count(meta)
+        self._count(meta, None)
         device = self.pages.geometry.device
         ids = torch.from_numpy(np.asarray(self.blocks, dtype=np.int64))
         want = torch.from_numpy(np.ascontiguousarray(self.expected).view(np.int64))
@@ -251,9 +291,15 @@ class LoadedPages:
             want = want.pin_memory().to(device, non_blocking=True)
         actual, _ = self.pages.geometry.launch(ids, table=None)
         got = actual.view(torch.int64)
-        # A page matching any computation of its inputs in every layer is good; a bad one is
-        # flagged in the layers that differ from the newest.
-        good = (got[:, None, :] == want).all(dim=-1).any(dim=-1)
+        # A page matching any computation of its inputs in every layer is good, or one within
+        # its sketch's tolerance in every layer; a bad one is flagged in the layers that differ
+        # from the newest.
+        exact = (got[:, None, :] == want).all(dim=-1).any(dim=-1)
+        kept = torch.from_numpy(self.kept).to(device)
+        near = matches(self.sketcher.compute(self.blocks), kept).all(dim=-1)
+        approx = near & ~exact
+        good = exact | approx
+        self._verdicts[meta.step] = (exact, approx)
         newest = want[:, 0, :].contiguous()
         flags = ((got != newest) & ~good[:, None]).to(torch.int8) * MISMATCH
         self.checked_on_device[meta.step] = [
@@ -261,6 +307,19 @@ class LoadedPages:
         ]
         blocks, self.blocks = self.blocks, []
         return PendingCheck(blocks, flags, actual, newest.view(torch.uint64))
+
+    def count_settled(self, step: int, bad: set[int], blocks: list[int]) -> None:
+        """Device path: a step's load check was read: its pages counted by how they were
+        verified; those verified by their sketch alone are never kept as a reference."""
+        verdicts = self._verdicts.pop(step, None)
+        if verdicts is None:
+            return
+        exact, approx = (v.cpu().numpy() for v in verdicts)
+        good = int(np.count_nonzero(exact)) + int(np.count_nonzero(approx))
+        self._count_verdicts(int(np.count_nonzero(exact)), int(np.count_nonzero(approx)), len(blocks) - good)
+        near = {b for b, a in zip(blocks, approx.tolist(), strict=True) if a}
+        if near:
+            self.drop(near)
 
     # ------------------------------------------------------------- after the seal
 
@@ -275,9 +334,10 @@ class LoadedPages:
         blocks, fingerprints = blocks[sealed], fingerprints[sealed]
         if not len(blocks):
             return
+        sketches = self.sketcher.compute(blocks)
         if not isinstance(self.table, DeviceDigestTable):
             digests = self.table.digests[blocks]
-            self._keep(fingerprints, digests)
+            self._keep(fingerprints, digests, sketches.cpu().numpy())
             return
         table = self.table.device_digests.view(torch.int64)
         ids = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.int64))
@@ -287,16 +347,19 @@ class LoadedPages:
             gathered = table.index_select(0, ids)
             host = torch.empty(gathered.shape, dtype=torch.int64, pin_memory=True)
             host.copy_(gathered, non_blocking=True)
+            host_sketches = torch.empty(sketches.shape, dtype=torch.float32, pin_memory=True)
+            host_sketches.copy_(sketches, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         else:
-            host = table.index_select(0, ids)
-        self._sealed.append(_SealedOnDevice(meta.step, blocks, fingerprints, host, event))
+            host, host_sketches = table.index_select(0, ids), sketches
+        self._sealed.append(_SealedOnDevice(meta.step, blocks, fingerprints, host, host_sketches, event))
 
-    def _keep(self, fingerprints: np.ndarray, digests: np.ndarray) -> None:
-        self.digests.remember(fingerprints, digests)
+    def _keep(self, fingerprints: np.ndarray, digests: np.ndarray, sketches: np.ndarray) -> None:
+        for d in self.digests.remember(fingerprints, digests, sketches).max(axis=1, initial=0.0).tolist():
+            self.counters.observe("recompute_distance", d)
         if self.store is not None:
-            self.store.publish(fingerprints, digests)
+            self.store.publish(fingerprints, digests, sketches)
 
     def drop(self, blocks: set[int]) -> None:
         """Device path: pages a settled check found bad since they were sealed (a bad load, rows
@@ -306,6 +369,7 @@ class LoadedPages:
             if not keep.all():
                 sealed.blocks, sealed.fingerprints = sealed.blocks[keep], sealed.fingerprints[keep]
                 sealed.digests = sealed.digests[torch.from_numpy(keep)]
+                sealed.sketches = sealed.sketches[torch.from_numpy(keep)]
 
     def settle(self, *, wait: bool, before: int | None) -> None:
         """Device path: take the sealed digests whose copy has landed (all of them, waiting, with
@@ -320,7 +384,7 @@ class LoadedPages:
             if sealed.event is not None:
                 sealed.event.synchronize()
             self._sealed.pop(0)
-            self._keep(sealed.fingerprints, sealed.digests.numpy().view(np.uint64))
+            self._keep(sealed.fingerprints, sealed.digests.numpy().view(np.uint64), sealed.sketches.numpy())
 
     # ------------------------------------------------------------- drills
 

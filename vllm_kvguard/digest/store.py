@@ -6,9 +6,11 @@ publishes what it sealed (identity fingerprint -> every layer's digest); the con
 what it loads. :class:`DigestStore` is the interface (a network store can replace the folder);
 :class:`DigestFolder` keeps it in a shared folder (``VLLM_KVGUARD_DIGEST_DIR``).
 
-The folder: one subfolder per KV layout (layers, page bytes, hash, rank: only the same shard of the
-same layout is comparable), append-only segment files of fixed-size records (the fingerprint, then
-one digest per layer, little-endian uint64), one writer per file. A writer keeps at most
+The folder: one subfolder per KV layout (layers, page bytes, hash, sketch width, rank: only the same
+shard of the same layout is comparable) and weights (a model redeployed with other weights under the
+same name never verifies against the old one's pages), append-only segment files of fixed-size
+records (the fingerprint, one digest per layer, little-endian uint64, then the page's sketch,
+float32, digest/sketch.py), one writer per file. A writer keeps at most
 ``max_bytes`` of its own segments and deletes its oldest; readers read only whole records and drop
 files that are gone. Nothing else is ever deleted: a folder outlives the engines that wrote it.
 """
@@ -22,15 +24,18 @@ from typing import BinaryIO, Protocol
 
 import numpy as np
 
+from vllm_kvguard.digest.sketch import WIDTH, sketched_layers
+
 SEGMENTS = 4  # a writer's segments kept at once: each holds max_bytes / SEGMENTS
 
 
 class DigestStore(Protocol):
-    def publish(self, fingerprints: np.ndarray, digests: np.ndarray) -> None:
-        """Pages this engine sealed: (pages,) fingerprints, (pages x layers) digests."""
+    def publish(self, fingerprints: np.ndarray, digests: np.ndarray, sketches: np.ndarray) -> None:
+        """Pages this engine sealed: (pages,) fingerprints, (pages x layers) digests, (pages x
+        layers x WIDTH) sketches."""
 
-    def fetch(self) -> tuple[np.ndarray, np.ndarray]:
-        """What other engines published since the last call: fingerprints and digests."""
+    def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What other engines published since the last call: fingerprints, digests, sketches."""
 
 
 class DigestFolder:
@@ -38,7 +43,13 @@ class DigestFolder:
         self.folder = Path(root) / layout
         self.folder.mkdir(parents=True, exist_ok=True)
         self.num_layers = num_layers
-        self.record = np.dtype([("fp", "<u8"), ("digests", "<u8", (num_layers,))])
+        self.record = np.dtype(
+            [
+                ("fp", "<u8"),
+                ("digests", "<u8", (num_layers,)),
+                ("sketches", "<f4", (len(sketched_layers(num_layers)), WIDTH)),
+            ]
+        )
         self.segment_bytes = max(self.record.itemsize, max_bytes // SEGMENTS)
         self._writer = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._mine: list[Path] = []
@@ -60,13 +71,14 @@ class DigestFolder:
                 self._mine.pop(0).unlink(missing_ok=True)
         return self._out
 
-    def publish(self, fingerprints: np.ndarray, digests: np.ndarray) -> None:
+    def publish(self, fingerprints: np.ndarray, digests: np.ndarray, sketches: np.ndarray) -> None:
         keep = fingerprints != 0
         if not np.count_nonzero(keep):
             return
         records = np.zeros(int(np.count_nonzero(keep)), dtype=self.record)
         records["fp"] = fingerprints[keep]
         records["digests"] = digests[keep]
+        records["sketches"] = sketches[keep]
         data = records.tobytes()
         at = 0
         while at < len(data):
@@ -77,7 +89,7 @@ class DigestFolder:
             self._written += len(piece)
             at += len(piece)
 
-    def fetch(self) -> tuple[np.ndarray, np.ndarray]:
+    def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         size = self.record.itemsize
         mine = {p.name for p in self._mine}
         found: list[np.ndarray] = []
@@ -100,9 +112,17 @@ class DigestFolder:
         for gone in [p for p in self._offsets if p not in present]:
             del self._offsets[gone]
         if not found:
-            return np.zeros(0, dtype=np.uint64), np.zeros((0, self.num_layers), dtype=np.uint64)
+            return (
+                np.zeros(0, dtype=np.uint64),
+                np.zeros((0, self.num_layers), dtype=np.uint64),
+                np.zeros((0, len(sketched_layers(self.num_layers)), WIDTH), dtype=np.float32),
+            )
         records = np.concatenate(found)
-        return records["fp"].astype(np.uint64), records["digests"].astype(np.uint64)
+        return (
+            records["fp"].astype(np.uint64),
+            records["digests"].astype(np.uint64),
+            records["sketches"].astype(np.float32),
+        )
 
     def close(self) -> None:
         if self._out is not None:
