@@ -543,3 +543,37 @@ def test_a_bad_load_another_engine_computed_is_caught_by_the_sketch(
     else:  # recomputed alone, as engine 1 computed A: the same bytes, the same text
         assert outs[2].text == shared_plain[0]
     assert outs[1].text == shared_plain[1]  # B read no bad page
+
+
+# ------------------------------------------------------------- other weights, the same model
+# A redeploy: the same model path (and name), other weights (a fine-tune pushed in place). The
+# producer's stored KV and published digests were computed by the old weights; the consumer must
+# never take them for its own computation's.
+
+
+def test_a_consumer_with_other_weights_never_verifies_the_producers_pages(tmp_path: Path) -> None:
+    from vllm_kvguard.tools.tinymodel import build_tiny_model
+
+    model = str(build_tiny_model(tmp_path / "model", seed=0))
+    store, digests = tmp_path / "store", tmp_path / "digests"
+    env = {**INPROC, "VLLM_KVGUARD_DIGEST_DIR": str(digests)}
+    _role_run(model, guard_env("quarantine", tmp_path / "producer.jsonl", **env), store, "kv_producer")
+    assert list(digests.glob("*/*.bin")), "the producer published no digest"
+    build_tiny_model(tmp_path / "model", seed=1)  # the same path, other weights
+    # Control: the old weights' KV, loaded, changes the text the new weights give.
+    with engine(model, {"VLLM_KVGUARD": "0", **INPROC}) as llm:
+        own = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy(16), use_tqdm=False)]
+    plain, _, _ = _role_run(model, {"VLLM_KVGUARD": "0", **INPROC}, store, "kv_consumer")
+    assert [o.text for o in plain] != own
+    log = tmp_path / "consumer.jsonl"
+    _, checked, unchecked = _role_run(model, guard_env("quarantine", log, **env), store, "kv_consumer")
+    # Other weights, another namespace: none of the producer's digests vouches for these pages.
+    assert checked == 0 and unchecked == 4 * len(PROMPTS)
+    started = [e for e in read_log(log) if e["event"] == "kvguard_started" and e["role"] == "scheduler"]
+    producer = [
+        e
+        for e in read_log(tmp_path / "producer.jsonl")
+        if e["event"] == "kvguard_started" and e["role"] == "scheduler"
+    ]
+    weights = started[0]["details"]["weights"], producer[0]["details"]["weights"]
+    assert weights[0] != weights[1] and all(w.endswith("(files)") for w in weights), weights

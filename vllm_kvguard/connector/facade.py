@@ -30,6 +30,7 @@ from vllm_kvguard.connector.metadata import KVGuardMetadata, KVGuardWorkerMetada
 from vllm_kvguard.connector.scheduler import KVGuardScheduler
 from vllm_kvguard.connector.stats import KVGuardPromMetrics, KVGuardStats
 from vllm_kvguard.connector.stop_strings import StopStrings
+from vllm_kvguard.connector.weights import weights_identity
 from vllm_kvguard.connector.worker import KVGuardWorker
 from vllm_kvguard.logs import GuardLog
 
@@ -149,6 +150,8 @@ class KVGuardConnector(KVConnectorBase_V1):
         # vLLM maps reported bad blocks back to requests only with one KV cache group.
         self.active = groups == 1
         num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
+        # What computes the KV: page fingerprints and the digest folder's namespace carry it.
+        weights, weights_found = weights_identity(vllm_config)
         self.scheduler: KVGuardScheduler | None = None
         self.worker: KVGuardWorker | None = None
         if is_scheduler:
@@ -169,8 +172,10 @@ class KVGuardConnector(KVConnectorBase_V1):
                     "kv_load_failure_policy": self._kv_transfer_config.kv_load_failure_policy,
                     "active": self.active,
                     "kv_cache_groups": groups,
+                    "weights": f"{weights:016x} ({weights_found})",
                 },
                 beside=[str(name) for name in extra.get(BESIDE_KEY, ())],
+                weights=weights,
             )
             if not patches.patch_scheduler(find_guard):
                 self.scheduler.finish = None  # nothing could hold or put back a final output
@@ -194,7 +199,12 @@ class KVGuardConnector(KVConnectorBase_V1):
             self._side: _Side = self.scheduler
         else:
             self.worker = KVGuardWorker(
-                self.config, num_blocks, rank, log, block_size=vllm_config.cache_config.block_size
+                self.config,
+                num_blocks,
+                rank,
+                log,
+                block_size=vllm_config.cache_config.block_size,
+                weights=weights,
             )
             self._side = self.worker
 

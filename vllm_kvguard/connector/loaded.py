@@ -76,6 +76,7 @@ class LoadedPages:
         table: DigestTable,
         counters: GuardCounters,
         out: Callable[[], KVGuardWorkerMetadata],
+        weights: int = 0,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -88,10 +89,11 @@ class LoadedPages:
         self.sketcher = PageSketches(pages.tensors)
         # VLLM_KVGUARD_DIGEST_DIR: the digests this engine seals, published for other engines (a
         # decode engine loading a prefill engine's pages), and theirs, fetched on a miss. Only the
-        # same shard of the same layout is comparable.
+        # same shard of the same layout, computed by the same weights, is comparable.
         self.store: DigestStore | None = None
         if config.digest_dir:
-            layout = f"L{pages.num_layers}-B{pages.bytes_per_block}-{config.hash}-S{WIDTH}-rank{rank}"
+            layout = f"L{pages.num_layers}-B{pages.bytes_per_block}-{config.hash}-S{WIDTH}"
+            layout += f"-W{weights:016x}-rank{rank}"
             self.store = DigestFolder(config.digest_dir, layout, pages.num_layers, config.digest_dir_bytes)
         # This step: layers still to check (host path), the loaded pages with a digest and
         # those digests (pages x sets x layers: every computation of the page's inputs kept,

@@ -25,7 +25,7 @@ from vllm_kvguard.core.faults import FaultTracker, parse_fault_spec
 from vllm_kvguard.core.ledger import BlockLedger
 from vllm_kvguard.core.plan import ScheduledRequest
 from vllm_kvguard.core.scrub import Scrubber
-from vllm_kvguard.digest.identity import PageIdentity
+from vllm_kvguard.digest.identity import PageIdentity, root_for
 from vllm_kvguard.logs import GuardLog
 from vllm_kvguard.metrics import StandaloneExporter
 
@@ -67,6 +67,7 @@ class SchedulerState:
         model_name: str,
         details: dict[str, object],
         beside: list[str] | None = None,
+        weights: int = 0,
     ) -> None:
         self.config = config
         # The KV connectors beside the guard in a MultiConnector: pages they load are checked
@@ -103,7 +104,7 @@ class SchedulerState:
         self.unsent: dict[str, int] = {}
         # Each live request's page fingerprints (what its pages hold), checked on every hit,
         # and the blocks that failed the check by step (drill accounting; dropped as settled).
-        self.identity = PageIdentity(block_size)
+        self.identity = PageIdentity(block_size, root_for(weights))
         self._identity_found: dict[int, set[int]] = {}
         self.faults = FaultTracker(parse_fault_spec(config.inject)) if config.inject else None
         self.quarantine_limit = policy.quarantine_limit(config.quarantine_max_fraction, num_blocks)

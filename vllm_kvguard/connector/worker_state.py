@@ -34,10 +34,19 @@ class WorkerState:
     """The worker side's state, shared by every layer of the worker (module docstring)."""
 
     def __init__(
-        self, config: KVGuardConfig, num_blocks: int, rank: int, log: GuardLog, *, block_size: int = 0
+        self,
+        config: KVGuardConfig,
+        num_blocks: int,
+        rank: int,
+        log: GuardLog,
+        *,
+        block_size: int = 0,
+        weights: int = 0,
     ) -> None:
         self.config = config
         self.block_size = block_size
+        # The weights' identity (digest/weights.py): the digest folder's namespace.
+        self.weights = weights
         self.rows: RowDigests | None = None
         self.written: WrittenRows | None = None
         self.rows_as_written = 0  # rows digested from the bytes written (tests, benchmarks)
@@ -96,7 +105,7 @@ class WorkerState:
         assert self.pages is not None and self.table is not None
         if self.loaded is None:
             self.loaded = LoadedPages(
-                self.config, self.rank, self.pages, self.table, self.counters, self._worker_meta
+                self.config, self.rank, self.pages, self.table, self.counters, self._worker_meta, self.weights
             )
             # One attribute test per attention layer (the facade's wait_for_layer_load).
             self.loads_left = self.loaded.left

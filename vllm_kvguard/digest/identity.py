@@ -20,8 +20,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-# The chain's root (b"KVGUARD1"): the first page's parent.
+# The chain's root (b"KVGUARD1"): the first page's parent, keyed with the weights' identity
+# (digest/weights.py) where known: other weights, other fingerprints.
 ROOT = 0x4B56_4755_4152_4431
+
+
+def root_for(weights: int) -> int:
+    """The chain's root for pages computed by the weights ``weights`` (0: unknown, ROOT)."""
+    if not weights:
+        return ROOT
+    return xxhash.xxh3_64_intdigest(ROOT.to_bytes(8, "little"), weights) or 1
 
 
 @dataclass(frozen=True)
@@ -62,8 +70,9 @@ def context_bytes(*, lora: str | None = None, salt: str | None = None) -> bytes:
 class PageIdentity:
     """Chained page fingerprints of live requests, each page computed once, on demand."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, root: int = ROOT) -> None:
         self.block_size = block_size
+        self.root = root
         self.requests: dict[str, RequestInputs] = {}
 
     def add(self, req_id: str, inputs: RequestInputs) -> None:
@@ -110,7 +119,7 @@ class PageIdentity:
         )
 
     def _owner_key(self, req_id: str, p: int) -> int:
-        parent = self._fingerprint(req_id, p - 1) if p else ROOT * (req_id in self.requests)
+        parent = self._fingerprint(req_id, p - 1) if p else self.root * (req_id in self.requests)
         key = ((parent * 0x9E3779B185EBCA87) & 0xFFFFFFFFFFFFFFFF) ^ p if parent else 0
         return key or (1 if parent else 0)
 
@@ -122,7 +131,7 @@ class PageIdentity:
         if len(positions) == 1:  # one block handed out: plain ints
             return np.array([self._owner_key(req_id, int(positions[0]))], dtype=np.uint64)
         parents = self.fingerprints(req_id, np.maximum(positions - 1, 0))
-        parents[positions == 0] = ROOT if req_id in self.requests else 0
+        parents[positions == 0] = self.root if req_id in self.requests else 0
         with np.errstate(over="ignore"):
             keys = (parents * np.uint64(0x9E3779B185EBCA87)) ^ positions.astype(np.uint64)
         keys[parents == 0] = 0
@@ -140,7 +149,7 @@ class PageIdentity:
             return pages
         tokens = np.asarray(inputs.tokens[first * bs : last * bs], dtype=np.int64).tobytes()
         width = bs * 8
-        parent = pages[-1] if pages else ROOT
+        parent = pages[-1] if pages else self.root
         for i in range(last - first):
             parent = self._page(inputs, first + i, parent, tokens[i * width : (i + 1) * width])
             pages.append(parent)
