@@ -1,4 +1,20 @@
-"""Start real vLLM (CPU build) engines for tests, with the guard configured by environment."""
+"""Start real vLLM (CPU build) engines for tests, with the guard configured by environment.
+
+Rules every engine test follows (vLLM is not batch-invariant: the same tokens in another batch
+give other KV bytes, and can give other greedy text):
+
+- A text is compared only with a reference from the same batches: the guard-off run of the exact
+  same schedule, or requests run one at a time on both sides, or requests whose batch cannot
+  differ. A request the guard fails or holds changes its neighbours' batches: compare the
+  requests that read the bad page with a reference that recomputed them in the same batch.
+- Every fault test has a guard-off control in the same test that must change the output (the
+  control differs from its reference in the fault alone); where a fault cannot change the
+  output, the test says what else it proves and asserts that.
+- No wall clock: time-based behaviour is driven by an injected clock or by step counts; no
+  assertion on throughput.
+- Shared helpers live here (``BLOCK``, ``INPROC``, ``greedy``, ``words``, ``engine``, ...), not
+  redefined per module.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +33,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 BLOCK = 32
+# The engine core in the test's own process (its scheduler and worker objects reachable).
+INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # Small enough to force preemption under the clean workload, with chunked prefill.
 ENGINE_ARGS: dict[str, Any] = {
     "dtype": "bfloat16",

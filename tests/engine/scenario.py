@@ -5,19 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tests.engine.harness import BLOCK, words
+from tests.engine.harness import BLOCK, greedy, words
 from vllm_kvguard import testing
 from vllm_kvguard.tools.workload import Workload
 
 CLEAN = Workload(prefixes=3, per_prefix=6, prefix_words=150, suffix_words=6, max_tokens=40, seed=3)
 PREFIX_BLOCKS = 4
 PREFIX = words(11, PREFIX_BLOCKS * BLOCK)
-
-
-def greedy(max_tokens: int) -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
 
 def run_clean(llm: Any) -> tuple[list[str], list[int]]:

@@ -22,7 +22,9 @@ from typing import Any
 import pytest
 
 from tests.engine.harness import (
+    BLOCK,
     FINDINGS,
+    INPROC,
     affected_once,
     core_scheduler,
     engine,
@@ -37,8 +39,6 @@ from tests.engine.harness import (
 from vllm_kvguard.tools import report
 
 pytestmark = pytest.mark.engine
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-BLOCK = 32
 # Three prompts of 4 full pages and 2 tokens (the connector stores whole pages), then three
 # others that take the pool's free blocks (with prefix caching on, the first three's cached
 # pages are evicted, so their second pass loads them from the connector instead).

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.engine.harness import engine, events, guard_env, preemptions, read_log
-from tests.engine.scenario import greedy, prompts_b, run_clean, seal_prefix_and_corrupt
+from tests.engine.harness import engine, events, greedy, guard_env, preemptions, read_log
+from tests.engine.scenario import prompts_b, run_clean, seal_prefix_and_corrupt
 from vllm_kvguard import KVCacheCorruptionError, raise_for_corruption
 
 pytestmark = pytest.mark.engine
@@ -52,7 +52,6 @@ def test_clean_run_with_guard_equals_plain_vllm(reference: dict[str, Any], quara
     started = events(log, "kvguard_started")
     assert {line["role"] for line in started} == {"scheduler", "worker"}
     assert started[0]["config"]["mode"] == "quarantine"
-    assert all(line["level"] != "error" for line in events(log, "kvguard_internal_error"))
     assert events(log, "kvguard_internal_error") == []
 
 

@@ -13,14 +13,13 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
-from tests.engine.harness import engine, events, guard_env, steal_on_next_allocation, words
+from tests.engine.harness import INPROC, engine, events, guard_env, steal_on_next_allocation, words
 from vllm_kvguard import raise_for_corruption, testing
 from vllm_kvguard.errors import KVCacheCorruptionError
 from vllm_kvguard.tools.tinymodel import build_tiny_model
 
 pytestmark = pytest.mark.engine
 PROMPT = words(17, 128) + " w300 w301"  # 4 full blocks of 32, then 2 tokens
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _greedy(n: int) -> Any:

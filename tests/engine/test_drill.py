@@ -73,7 +73,7 @@ def test_drill_detects_every_fault_kind_that_is_read(tiny_model: str, tmp_path: 
     assert report["silently_wrong"] == 0
     assert report["outputs_identical"] == report["requests"] - report["requests_failed"]
     assert report["requests"] == 16
-    assert report["detection_ms_median"] is not None and report["detection_ms_median"] >= 0
+    assert report["detection_ms_median"] is not None and report["detection_ms_median"] > 0
     assert report["ok"] is True and report["internal_errors"] == 0
     assert any(
         line["event"] == "kvguard_fault_injection_armed" and line["level"] == "warning" for line in log

@@ -17,10 +17,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
-from tests.engine.harness import FINDINGS, engine, greedy, guard_env, read_log
+from tests.engine.harness import FINDINGS, INPROC, engine, greedy, guard_env, read_log
 
 pytestmark = pytest.mark.engine
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _findings(lines: list[dict[str, Any]]) -> list[tuple[str, Any]]:

@@ -32,6 +32,8 @@ from typing import Any
 import pytest
 
 from tests.engine.harness import (
+    BLOCK,
+    INPROC,
     affected_once,
     core_scheduler,
     engine,
@@ -45,8 +47,6 @@ from tests.engine.harness import (
 from tests.engine.test_integrity import scramble
 
 pytestmark = pytest.mark.engine
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-BLOCK = 32
 PREFIX = words(17, 8 * BLOCK)  # 8 full pages shared by every request
 ENDING = 12  # the short request's max_tokens
 LEFT = 3  # its tokens still to come when the page is scrambled

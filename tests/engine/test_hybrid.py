@@ -13,13 +13,12 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
-from tests.engine.harness import engine, events, guard_env, words
+from tests.engine.harness import INPROC, engine, events, guard_env, words
 from vllm_kvguard import testing
 from vllm_kvguard.tools.tinymodel import build_tiny_model
 
 pytestmark = pytest.mark.engine
 PROMPT = words(17, 128) + " w300 w301"  # 4 full blocks of 32; longer than the 64-token window
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @pytest.fixture(scope="module")

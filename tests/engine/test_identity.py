@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 
 from tests.engine.harness import (
+    BLOCK,
+    INPROC,
     core_scheduler,
     engine,
     events,
@@ -29,8 +31,6 @@ from tests.engine.harness import (
 from vllm_kvguard import KVCacheCorruptionError
 
 pytestmark = pytest.mark.engine
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-BLOCK = 32
 PROMPT_A = words(3, 3 * BLOCK) + " w1 w2"
 PROMPT_B = words(250, 3 * BLOCK, step=11) + " w1 w2"
 

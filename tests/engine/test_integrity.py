@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 
 from tests.engine.harness import (
+    BLOCK,
+    INPROC,
     affected_once,
     block_table_of,
     core_scheduler,
@@ -36,9 +38,7 @@ from tests.engine.harness import (
 )
 
 pytestmark = pytest.mark.engine
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 OFF = {"VLLM_KVGUARD": "0", **INPROC}
-BLOCK = 32
 
 
 # Worker-side helpers that need no guard (the control runs have none): they reach vLLM's own

@@ -33,7 +33,9 @@ from typing import Any
 import pytest
 
 from tests.engine.harness import (
+    BLOCK,
     FINDINGS,
+    INPROC,
     affected_once,
     engine,
     events,
@@ -46,8 +48,6 @@ from tests.engine.harness import (
 from tests.engine.test_connectors import _batch_variant_kv
 
 pytestmark = pytest.mark.engine
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-BLOCK = 32
 # A: 4 full pages and 2 tokens (LMCache stores whole 64-token chunks: A's 128 tokens). B: A's
 # tokens and 38 more (computed in one step of 168 tokens: A's pages get other bytes).
 A = words(17, 4 * BLOCK + 2)

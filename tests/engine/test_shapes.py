@@ -14,18 +14,19 @@ from typing import Any
 import pytest
 
 from tests.engine.harness import (
+    INPROC,
     block_table_of,
     core_scheduler,
     engine,
     events,
+    greedy,
     guard_env,
     metric,
     spy_invalid_blocks,
 )
-from tests.engine.scenario import PREFIX, PREFIX_BLOCKS, greedy, prompts_b
+from tests.engine.scenario import PREFIX, PREFIX_BLOCKS, prompts_b
 
 pytestmark = pytest.mark.engine
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 BYTE, BIT = 1, 6  # the high byte of a bf16 element: sign and exponent bits
 
 

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 
 from tests.engine.harness import (
+    BLOCK,
+    INPROC,
     affected_once,
     core_scheduler,
     engine,
@@ -35,8 +37,6 @@ from tests.engine.harness import (
 from vllm_kvguard import KVCacheCorruptionError
 
 pytestmark = pytest.mark.engine
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-BLOCK = 32
 WRITTEN = 14  # slots of the unfilled page written by the prompt
 PROMPT = words(11, 3 * BLOCK + WRITTEN, step=13)
 

@@ -255,10 +255,16 @@ def test_the_split_views_plan_every_step_as_a_view_per_request_would() -> None:
             _run_both(_scenario(seed), budget)
 
 
-def test_state_gauges_follow_every_idle_step_and_once_a_second_under_load(tmp_path: Any) -> None:
+def test_state_gauges_follow_every_idle_step_and_once_a_second_under_load(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An empty step after the last request ended can still change a table (a drill fault
-    injected into an idle page): the gauges an operator reads at idle must show it."""
+    injected into an idle page): the gauges an operator reads at idle must show it. The clock
+    is the test's own."""
+    from types import SimpleNamespace
+
     from vllm_kvguard.config import load_config
+    from vllm_kvguard.connector import planning
     from vllm_kvguard.connector.scheduler import KVGuardScheduler
     from vllm_kvguard.logs import GuardLog
 
@@ -267,6 +273,9 @@ def test_state_gauges_follow_every_idle_step_and_once_a_second_under_load(tmp_pa
         config, GuardLog(config, role="scheduler", rank=0), num_blocks=64, block_size=BS,
         bytes_per_block=1024, num_layers=2, model_name="unit", details={},
     )  # fmt: skip
+
+    clock = [1000.0]
+    monkeypatch.setattr(planning, "time", SimpleNamespace(monotonic=lambda: clock[0]))
 
     def entries() -> dict[str, int] | None:
         delta = s.stats()
@@ -279,8 +288,12 @@ def test_state_gauges_follow_every_idle_step_and_once_a_second_under_load(tmp_pa
     # Under load the gauges are set at most once a second (no per-step table walk).
     s.ledger.live_requests = lambda: 3  # type: ignore[method-assign]
     s.stop_messages["busy"] = "changed while requests run"
+    clock[0] += 0.999
     busy = entries()
     assert busy is None or "stop_messages" not in busy
+    clock[0] += 0.002  # a second after the last report
+    busy = entries()
+    assert busy is not None and busy["stop_messages"] == 2
 
 
 @pytest.mark.parametrize(

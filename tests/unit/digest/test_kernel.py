@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_cases_under_interpreter
 
 CASES = Path(__file__).with_name("kernel_cases.py")
@@ -42,6 +44,6 @@ def test_device_bench_says_so_without_a_gpu() -> None:
     import torch
 
     if torch.cuda.is_available():  # pragma: no cover - a GPU machine measures instead
-        return
+        pytest.skip("a GPU is here: benchmarks/gpu_check.sh measures the device path instead")
     proc = subprocess.run([sys.executable, str(BENCH)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "no GPU here" in proc.stderr
