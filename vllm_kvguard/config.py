@@ -93,6 +93,7 @@ class KVGuardConfig:
     quarantine_max_fraction: float = 0.02
     load_digests_bytes: int = 16 << 20
     load_digest_sets: int = 4
+    load_audit: float = 0.05
     digest_dir: str | None = None
     digest_dir_bytes: int = 256 << 20
     log_format: LogFormat = LogFormat.AUTO
@@ -300,6 +301,7 @@ _VARIABLES = {
     "_QUARANTINE_MAX_FRACTION": ("quarantine_max_fraction", _fraction),
     "_LOAD_DIGESTS": ("load_digests_bytes", _bytes),
     "_LOAD_DIGEST_SETS": ("load_digest_sets", _digest_sets),
+    "_LOAD_AUDIT": ("load_audit", _fraction),
     "_DIGEST_DIR": ("digest_dir", _digest_dir),
     "_DIGEST_DIR_BYTES": ("digest_dir_bytes", _bytes),
     "_LOG_FORMAT": ("log_format", lambda var, raw: _choice(var, raw, LogFormat)),

@@ -152,6 +152,18 @@ SERIES = (
         ("exact", "approx", "bad", "no"),
     ),
     Series(
+        "load_audits",
+        "vllm:kvguard_load_audits",
+        "counter",
+        "Loaded pages nothing here could check (never computed here, no digest published), audited: "
+        "reported unreadable so vLLM computed them again, then compared with the recomputation "
+        "(match: within the sketch tolerance; mismatch: the connector served wrong KV, a "
+        "kv_load_audit_failed, and its unverifiable loads are refused from then on). Sampled by "
+        "VLLM_KVGUARD_LOAD_AUDIT.",
+        "result",
+        ("match", "mismatch"),
+    ),
+    Series(
         "recompute_distance",
         "vllm:kvguard_recomputation_distance",
         "histogram",

@@ -431,3 +431,24 @@ def test_loads_without_an_exact_digest_are_verified_and_caught_by_their_sketch_o
     assert len(events(log, "kv_block_corrupted")) == 4
     assert set(affected_once(log).values()) == {"healed"}
     assert outs[2].text == plain[0].text  # recomputed alone, as the other engine computed A
+
+
+def test_loads_nobody_here_can_check_are_audited_on_the_device_without_a_false_alarm(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """tests/engine/test_connectors.py's audit case (a consumer without the producer's digests,
+    every load audited) with seals and sketches on the device, in raise mode: each audited page
+    refused, computed again, compared: all match, no request fails."""
+    from tests.engine.harness import FINDINGS, read_log
+    from tests.engine.test_connectors import PROMPTS, _audit_run, _role_run
+
+    store = tmp_path / "store"
+    _role_run(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, store, "kv_producer")
+    plain, _ = _audit_run(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, store)
+    log = tmp_path / "guard.jsonl"
+    outs, counts = _audit_run(
+        tiny_model, guard_env("raise", log, **KVG64, **INPROC, VLLM_KVGUARD_LOAD_AUDIT="1"), store
+    )
+    assert [line["event"] for line in read_log(log) if line["event"] in FINDINGS] == []
+    assert [o.text for o in outs] == [o.text for o in plain]
+    assert counts["audit_match"] == 4 * len(PROMPTS) and counts["audit_mismatch"] == 0

@@ -133,6 +133,8 @@ FINDINGS = {
     "kv_block_lifecycle_violation",
     "kv_block_quarantined",
     "kv_request_affected",
+    "kv_load_audit_failed",
+    "kvguard_connector_distrusted",
     "kvguard_internal_error",
     "kvguard_worker_internal_error",
 }

@@ -283,12 +283,18 @@ def test_a_consumer_engine_checks_what_it_loads_against_the_producers_digests(
     )
     texts = [c.text for c in produced]
     assert list(digests.glob("*/*.bin")), "the producer published no digest"
-    # Without the producer's digests the consumer cannot check pages it never computed: counted
-    # unverified, sealed as loaded, and never published as a reference for other engines.
+    # Without the producer's digests (and with audits off) the consumer cannot check pages it never
+    # computed: counted unverified, sealed as loaded, and never published as a reference.
     empty = tmp_path / "empty"
     alone, checked, unchecked = _role_run(
         tiny_model,
-        guard_env("quarantine", tmp_path / "alone.jsonl", **env, VLLM_KVGUARD_DIGEST_DIR=str(empty)),
+        guard_env(
+            "quarantine",
+            tmp_path / "alone.jsonl",
+            **env,
+            VLLM_KVGUARD_DIGEST_DIR=str(empty),
+            VLLM_KVGUARD_LOAD_AUDIT="0",
+        ),
         store,
         "kv_consumer",
     )
@@ -551,6 +557,46 @@ def test_a_bad_load_another_engine_computed_is_caught_by_the_sketch(
 # never take them for its own computation's.
 
 
+def _audit_run(model: str, env: dict[str, str], store: Path) -> tuple[list[Any], dict[str, float]]:
+    """A consumer loading the prompts the producer stored (one batch): its outputs, and its
+    audits and loads by result."""
+    with _connector_engine(model, env, store, role="kv_consumer") as llm:
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, greedy(16), use_tqdm=False)]
+        guarded = env.get("VLLM_KVGUARD") == "1"
+        counts = (
+            {
+                **{
+                    f"audit_{r}": metric(llm, "vllm:kvguard_load_audits", result=r)
+                    for r in ("match", "mismatch")
+                },
+                **{v: metric(llm, "vllm:kvguard_pages_loaded", verified=v) for v in VERIFIED},
+            }
+            if guarded
+            else {}
+        )
+    return outs, counts
+
+
+@pytest.mark.parametrize("mode", ["quarantine", "raise"])
+def test_loads_nobody_here_can_check_are_audited_without_a_false_alarm(
+    tiny_model: str, tmp_path: Path, mode: str
+) -> None:
+    """A consumer without the producer's digests audits its loads (here every one): each refused,
+    computed again, compared with what was loaded: all match. No finding, and no request fails,
+    in raise mode too (its "fail" policy is set aside for audited pages)."""
+    store = tmp_path / "store"
+    _role_run(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, store, "kv_producer")
+    plain, _ = _audit_run(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, store)
+    log = tmp_path / "guard.jsonl"
+    outs, counts = _audit_run(tiny_model, guard_env(mode, log, **INPROC, VLLM_KVGUARD_LOAD_AUDIT="1"), store)
+    assert [line["event"] for line in read_log(log) if line["event"] in FINDINGS] == []
+    assert [o.finish_reason for o in outs] == ["length"] * len(PROMPTS)
+    # Computed again in the step after the load (the CPU build's KV here is batch-invariant).
+    assert [o.text for o in outs] == [o.text for o in plain]
+    assert counts["audit_match"] == 4 * len(PROMPTS) and counts["audit_mismatch"] == 0
+    assert counts["no"] == 4 * len(PROMPTS)
+
+
 def test_a_consumer_with_other_weights_never_verifies_the_producers_pages(tmp_path: Path) -> None:
     from vllm_kvguard.tools.tinymodel import build_tiny_model
 
@@ -566,9 +612,17 @@ def test_a_consumer_with_other_weights_never_verifies_the_producers_pages(tmp_pa
     plain, _, _ = _role_run(model, {"VLLM_KVGUARD": "0", **INPROC}, store, "kv_consumer")
     assert [o.text for o in plain] != own
     log = tmp_path / "consumer.jsonl"
-    _, checked, unchecked = _role_run(model, guard_env("quarantine", log, **env), store, "kv_consumer")
+    consumed, counts = _audit_run(model, guard_env("quarantine", log, **env), store)
     # Other weights, another namespace: none of the producer's digests vouches for these pages.
-    assert checked == 0 and unchecked == 4 * len(PROMPTS)
+    assert counts["exact"] == 0 and counts["no"] == 4 * len(PROMPTS)
+    # Audited (the first loads after start): they differ from what these weights compute. Every
+    # load was refused and computed again: the text these weights give, each request healed.
+    failed = events(log, "kv_load_audit_failed")
+    assert failed and counts["audit_mismatch"] == len(failed)
+    assert all(line["sketch_distance"] > 0.5 for line in failed)
+    assert len(events(log, "kvguard_connector_distrusted")) == 1
+    assert [o.text for o in consumed] == own
+    assert set(affected_once(log).values()) == {"healed"} and len(affected_once(log)) == len(PROMPTS)
     started = [e for e in read_log(log) if e["event"] == "kvguard_started" and e["role"] == "scheduler"]
     producer = [
         e

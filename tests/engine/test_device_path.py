@@ -14,4 +14,4 @@ CASES = Path(__file__).with_name("device_path_cases.py")
 
 
 def test_device_path_cases_pass_under_the_triton_interpreter() -> None:
-    run_cases_under_interpreter(CASES, expected=17, timeout=1800, workers=2)
+    run_cases_under_interpreter(CASES, expected=18, timeout=1800, workers=2)

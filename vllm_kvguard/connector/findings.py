@@ -38,6 +38,11 @@ def _slots(d: Detection) -> list[int]:
 class Findings(SchedulerState):
     """One handler per finding kind (module docstring)."""
 
+    def _guard_ends(self, mode: Mode) -> bool:
+        """Whether the guard ends a failed reader itself: outside raise mode (vLLM would recompute
+        it), and in raise mode on a step whose "fail" policy is set aside for audits."""
+        return mode != Mode.RAISE or self._fail_policy_of is not None
+
     def _handle_corruption(self, block: int, detections: list[Detection]) -> None:
         first = detections[0]
         step = min(d.step for d in detections)
@@ -124,7 +129,7 @@ class Findings(SchedulerState):
             # The request's own reads, not the page's history: a hitter verified first read nothing bad.
             own_steps = unverified_steps if read_unverified else 0
             message = KVCacheCorruptionError.describe(block, first.layer, outcome, own_steps)
-            self._affect(req_id, block, outcome, message, end=self.config.mode != Mode.RAISE)
+            self._affect(req_id, block, outcome, message, end=self._guard_ends(self.config.mode))
             if outcome == policy.FAILED:
                 failed.add(req_id)
         self._zero_after_failure(block, holders, failed)
@@ -177,7 +182,7 @@ class Findings(SchedulerState):
             )
             message = KVCacheCorruptionError.describe_nonfinite(block, first.layer, outcome)
             # raise: vLLM fails the writers when the block is reported next step.
-            self._affect(req_id, block, outcome, message, end=mode != Mode.RAISE)
+            self._affect(req_id, block, outcome, message, end=self._guard_ends(mode))
             if outcome == policy.FAILED:
                 failed.add(req_id)
         self._zero_after_failure(block, holders, failed)
@@ -213,7 +218,7 @@ class Findings(SchedulerState):
                 self.config.mode, self.config.suspect, decision.outcome, read_unverified=emitted
             )
             message = KVCacheCorruptionError.describe_write_lost(block, slots, outcome)
-            self._affect(req_id, block, outcome, message, end=self.config.mode != Mode.RAISE)
+            self._affect(req_id, block, outcome, message, end=self._guard_ends(self.config.mode))
             if outcome == policy.FAILED:
                 failed.add(req_id)
         self._zero_after_failure(block, holders, failed)

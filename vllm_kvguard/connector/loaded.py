@@ -23,7 +23,12 @@ outside the tolerance (or with no sketch) is bad.
 
 Pages whose identity has no digest here are counted as loaded unverified, sealed as loaded,
 and never kept or published as a reference (nothing says their bytes are what their inputs
-compute); nor are pages verified by their sketch alone.
+compute); nor are pages verified by their sketch alone. Some of them are audited
+(core/audit.py): reported unreadable so that vLLM computes them again, their loaded sketch kept
+until the recomputed page is sealed, then compared with its sketch. A mismatch (the connector
+served wrong KV: another model's, another layout) is reported (``kv_load_audit_failed``), its
+readers were recomputed (healed), and the connector is distrusted: every page it loads that
+nothing here can check is refused from then on.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_kvguard.config import KVGuardConfig
+from vllm_kvguard.config import KVGuardConfig, Mode
 from vllm_kvguard.connector.metadata import KVGuardMetadata, KVGuardWorkerMetadata
+from vllm_kvguard.core.audit import LoadAudit
 from vllm_kvguard.core.counters import GuardCounters
 from vllm_kvguard.core.events import Detection
 from vllm_kvguard.core.faults import FaultSite
@@ -63,6 +69,11 @@ class _SealedOnDevice:
 
     def ready(self) -> bool:
         return self.event is None or bool(self.event.query())
+
+
+# Audited loads awaiting their recomputation's seal, at most (a request that ends first never
+# seals it).
+AUDITS_KEPT = 4096
 
 
 class LoadedPages:
@@ -117,6 +128,12 @@ class LoadedPages:
         self.checked_on_device: dict[int, list[dict[int, int]]] = {}
         # Device path, by step: which checked pages matched a digest set, which their sketch.
         self._verdicts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Audits (core/audit.py; never in log mode, which changes nothing vLLM does): this step's
+        # refused pages (block -> fingerprint, readers), and the loaded sketches awaiting the
+        # seal of their recomputation (fingerprint -> sketch, block, readers), oldest first out.
+        self.audit = LoadAudit(config.load_audit if config.mode != Mode.LOG else 0.0)
+        self.refused: dict[int, tuple[int, tuple[str, ...]]] = {}
+        self._audited: dict[int, tuple[np.ndarray, int, tuple[str, ...]]] = {}
 
     def nbytes(self) -> int:
         return self.digests.nbytes()
@@ -132,6 +149,7 @@ class LoadedPages:
         self._bad = []
         self.failed = set()
         self.not_reference = set()
+        self.refused = {}
 
     # ------------------------------------------------------------- before the forward
 
@@ -150,6 +168,9 @@ class LoadedPages:
         if len(known) < len(blocks):
             self.counters.add("pages_loaded", len(blocks) - len(known), label="no")
             self.not_reference |= {int(b) for i, b in enumerate(blocks.tolist()) if expected[i] is None}
+            self._choose_audits(
+                blocks, fingerprints, [i for i, row in enumerate(expected) if row is None], meta
+            )
         if not known:
             self._faults_unchecked(meta)
             return
@@ -225,7 +246,9 @@ class LoadedPages:
             )
         # Bad, or verified by its sketch alone: never kept as a reference.
         self.not_reference |= seen | {self.blocks[i] for i in np.flatnonzero(approx).tolist()}
-        self.failed = seen
+        self.failed |= seen
+        if seen:
+            self.audit.error()
         self.blocks, self._bad = [], []
         return seen
 
@@ -319,6 +342,8 @@ class LoadedPages:
         exact, approx = (v.cpu().numpy() for v in verdicts)
         good = int(np.count_nonzero(exact)) + int(np.count_nonzero(approx))
         self._count_verdicts(int(np.count_nonzero(exact)), int(np.count_nonzero(approx)), len(blocks) - good)
+        if len(blocks) > good:
+            self.audit.error()
         near = {b for b, a in zip(blocks, approx.tolist(), strict=True) if a}
         if near:
             self.drop(near)
@@ -362,6 +387,71 @@ class LoadedPages:
             self.counters.observe("recompute_distance", d)
         if self.store is not None:
             self.store.publish(fingerprints, digests, sketches)
+        if self._audited:
+            self._compare_audits(fingerprints, sketches)
+
+    # ------------------------------------------------------------- audits
+
+    def _choose_audits(
+        self, blocks: np.ndarray, fingerprints: np.ndarray, unknown: list[int], meta: KVGuardMetadata
+    ) -> None:
+        """Which of this step's unverifiable loads are audited (core/audit.py): a load is one
+        request's run of them (by its first reader), refused whole: vLLM computes the request
+        again from its first refused page, so no token of it comes from a page nobody checked
+        (the audit costs the run's tokens), and every page of it is compared."""
+        if self.audit.rate <= 0:
+            return
+        runs: list[list[int]] = []
+        last_reader = None
+        for i in unknown:
+            block = int(blocks[i])
+            reader = (meta.load_readers.get(block) or [""])[0]
+            if not runs or reader != last_reader or i != runs[-1][-1] + 1:
+                runs.append([])
+            runs[-1].append(i)
+            last_reader = reader
+        for run in runs:
+            if not (self.audit.distrusted or self.audit.choose()):
+                continue
+            for i in run:
+                block = int(blocks[i])
+                self.refused[block] = (int(fingerprints[i]), tuple(meta.load_readers.get(block, ())))
+        self.failed |= set(self.refused)
+
+    def take_audits(self) -> set[int]:
+        """After the forward (every layer landed): the sketches of this step's refused pages, kept
+        until their recomputation is sealed; returns them (reported unreadable by the worker)."""
+        if not self.refused:
+            return set()
+        blocks = list(self.refused)
+        sketches = self.sketcher.compute(blocks).cpu().numpy()
+        for block, sketch in zip(blocks, sketches, strict=True):
+            fp, readers = self.refused[block]
+            if fp:
+                self._audited[fp] = (sketch, block, readers)
+        while len(self._audited) > AUDITS_KEPT:
+            del self._audited[next(iter(self._audited))]
+        self._out().audits.update(blocks)
+        return set(blocks)
+
+    def _compare_audits(self, fingerprints: np.ndarray, sketches: np.ndarray) -> None:
+        """Pages sealed now whose loaded copy was refused for an audit: the same, within the
+        sketch's tolerance, or the connector served wrong KV."""
+        for i, fp in enumerate(fingerprints.tolist()):
+            entry = self._audited.pop(fp, None)
+            if entry is None:
+                continue
+            loaded, block, readers = entry
+            kept = torch.from_numpy(np.ascontiguousarray(sketches[i], dtype=np.float32))
+            got = torch.from_numpy(loaded)
+            if bool(matches(got, kept).all()):
+                self.counters.add("load_audits", label="match")
+                continue
+            self.counters.add("load_audits", label="mismatch")
+            far = float(np.nan_to_num(distance(got, kept).amax().numpy(), nan=np.inf))
+            self._out().audits_failed.append((block, readers, far))
+            self.audit.error()
+            self.audit.distrust()
 
     def drop(self, blocks: set[int]) -> None:
         """Device path: pages a settled check found bad since they were sealed (a bad load, rows

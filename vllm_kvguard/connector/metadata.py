@@ -292,6 +292,11 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
     # Blocks to report unreadable that were found after get_block_ids_with_load_errors
     # ran (device checks, settled with the step's output); see KVGuardScheduler.before_output().
     invalid: set[int] = field(default_factory=set)
+    # Loaded pages refused this step for an audit (connector/loaded.py): reported unreadable so
+    # that vLLM recomputes them, whatever the load-failure policy (an audit fails no request).
+    audits: set[int] = field(default_factory=set)
+    # Audits whose recomputation differed from what was loaded: (block, its readers, distance).
+    audits_failed: list[tuple[int, tuple[str, ...], float]] = field(default_factory=list)
     # Device checks of this step, still on the device (never pickled: settled first).
     pending: list[DeviceCheck | DeviceRowCheck] = field(default_factory=list)
     # Set by the scheduler side once it has acted on this output (it is offered twice:
@@ -326,6 +331,8 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
             internal_errors=self.internal_errors + other.internal_errors,
             counters=counters.to_dict(),
             invalid=self.invalid | other.invalid,
+            audits=self.audits | other.audits,
+            audits_failed=self.audits_failed + other.audits_failed,
         )
 
 

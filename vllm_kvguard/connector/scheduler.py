@@ -129,7 +129,19 @@ class KVGuardScheduler(Planning):
                 done = connector_output.finished_sending
                 if done:
                     connector_output.finished_sending = {r for r in done if r in vllm_scheduler.requests}
+        self._restore_fail_policy()
         meta = guard_worker_meta(getattr(connector_output, "kv_connector_worker_meta", None))
+        if (
+            meta is not None
+            and meta.audits
+            and not meta.handled
+            and not vllm_scheduler.recompute_kv_load_failures
+        ):
+            # Pages refused for an audit are clean as far as anyone knows: recomputed, never
+            # failed, under raise's "fail" policy too. For this step vLLM recomputes every block
+            # reported unreadable; the readers of bad ones are ended by the guard instead.
+            vllm_scheduler.recompute_kv_load_failures = True
+            self._fail_policy_of = vllm_scheduler
         if meta is not None and not meta.handled:
             meta.settle()
             if meta.invalid:
@@ -165,6 +177,42 @@ class KVGuardScheduler(Planning):
             out[request.request_id] = Holder(table, -(-before // self.block_size), emits)
         return out
 
+    def _restore_fail_policy(self) -> None:
+        """Put back vLLM's "fail" load-failure policy after a step with audits (after_output, or
+        the next step's before_output if that one never ran)."""
+        if self._fail_policy_of is not None:
+            self._fail_policy_of.recompute_kv_load_failures = False
+            self._fail_policy_of = None
+
+    def _audits_failed(self, failed: list[tuple[int, tuple[str, ...], float]]) -> None:
+        """Audits whose recomputation differed from what the connector loaded: reported, the
+        readers (recomputed at the audit) healed, the connector distrusted (said once)."""
+        connector = "|".join(self.beside) or "unknown"
+        for block, readers, far in failed:
+            self.log.line(
+                "kv_load_audit_failed",
+                level="error",
+                block_id=block,
+                request_ids=list(readers),
+                connector=connector,
+                sketch_distance=round(far, 4) if far != float("inf") else "nan",
+                action="recomputed",
+            )
+            for req_id in readers:
+                self._affect(req_id, block, policy.HEALED, "", end=False)
+        if failed and not self._distrusted:
+            self._distrusted = True
+            self.log.line(
+                "kvguard_connector_distrusted",
+                level="error",
+                connector=connector,
+                reason=(
+                    "a page it loaded differed from the recomputation of the same inputs (wrong KV: "
+                    "another model's weights, layout or dtype); every page it loads that nothing "
+                    "here can check is refused and recomputed from now on"
+                ),
+            )
+
     def update_connector_output(self, meta: KVGuardWorkerMetadata) -> None:
         # Normally done already, in before_output (the update_from_output patch); this keeps
         # the detections where that patch is missing (block tables of failed requests gone).
@@ -178,6 +226,8 @@ class KVGuardScheduler(Planning):
             self.worker_errors_seen += 1
             if power_of_two(self.worker_errors_seen):
                 self.log.line("kvguard_worker_internal_error", level="error", error=error)
+        if meta.audits_failed:
+            self._audits_failed(meta.audits_failed)
         bad: set[int] = set()  # the blocks found bad this step (the drills' accounting)
         self._output_dropped = {}
         if meta.detections:
@@ -275,6 +325,7 @@ class KVGuardScheduler(Planning):
         hold back the final outputs of requests the finish check holds, and put back those
         whose check this step made; forget messages of requests that ended without one
         passing (aborted)."""
+        self._restore_fail_policy()
         finish = self.finish
         if finish is not None and finish.held:
             # First: a held output gets its message when it is released (_release_held).

@@ -106,6 +106,10 @@ class SchedulerState:
         # and the blocks that failed the check by step (drill accounting; dropped as settled).
         self.identity = PageIdentity(block_size, root_for(weights))
         self._identity_found: dict[int, set[int]] = {}
+        # Audits of loads (connector/loaded.py): vLLM's scheduler whose "fail" load-failure policy
+        # is set aside for the step being handled, and whether a connector is distrusted.
+        self._fail_policy_of: Any = None
+        self._distrusted = False
         self.faults = FaultTracker(parse_fault_spec(config.inject)) if config.inject else None
         self.quarantine_limit = policy.quarantine_limit(config.quarantine_max_fraction, num_blocks)
         # The message each failed or flagged request's final output carries in stop_reason

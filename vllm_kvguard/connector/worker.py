@@ -356,6 +356,8 @@ class KVGuardWorker(Sealing, Drills):
                 "checksum_mismatch",
                 where={"device": str(self.pages.tensors[0].device)},
             )
+        if loaded is not None and loaded.refused:  # audits: recomputed, compared when sealed again
+            self._invalid |= loaded.take_audits()
         seal = meta.plan.seal
         if loaded is not None and loaded.failed:  # a bad load is never sealed; its readers recompute it
             seal = [b for b in seal if b not in loaded.failed]
