@@ -485,7 +485,7 @@ def test_a_load_whose_exact_digest_is_not_kept_is_verified_by_its_sketch(
 
 
 def _shared_store_run(
-    model: str, env: dict[str, str], store: Path, reverse: bool = False
+    model: str, env: dict[str, str], store: Path, reverse: bool = False, transform: Any = _reversed
 ) -> tuple[list[Any], dict[str, float]]:
     """Engine 1 (guard off): A alone, stored. Engine 2 (``env``): B, then A loaded from engine
     1's copy (restored reversed with ``reverse``). The three outputs (engine 1's A, engine 2's B
@@ -495,7 +495,7 @@ def _shared_store_run(
             outs = [llm.generate([PROMPTS[0]], greedy(16), use_tqdm=False)[0].outputs[0]]
         with _connector_engine(model, env, store) as llm:
             outs.append(llm.generate([VARIANT_B], greedy(16), use_tqdm=False)[0].outputs[0])
-            with _loads_reversed(store) if reverse else contextlib.nullcontext([1]) as loads:
+            with _loads_reversed(store, transform) if reverse else contextlib.nullcontext([1]) as loads:
                 outs.append(llm.generate([PROMPTS[0]], greedy(16), use_tqdm=False)[0].outputs[0])
             assert loads
             guarded = env.get("VLLM_KVGUARD") == "1"
@@ -525,29 +525,44 @@ def test_a_load_another_engine_computed_is_verified_by_the_sketch_of_our_computa
     assert loaded == {"exact": 0, "approx": 4, "bad": 0, "no": 0}
 
 
-@pytest.mark.parametrize(("mode", "outcome"), [("quarantine", "healed"), ("raise", "failed")])
+@pytest.mark.parametrize(
+    ("mode", "outcome", "wrong"),
+    [
+        ("quarantine", "healed", "reversed"),
+        ("raise", "failed", "reversed"),
+        ("quarantine", "healed", "heads swapped"),
+        ("quarantine", "healed", "one block off"),
+    ],
+)
 def test_a_bad_load_another_engine_computed_is_caught_by_the_sketch(
-    tiny_model: str, tmp_path: Path, shared_plain: list[str], mode: str, outcome: str
+    tiny_model: str, tmp_path: Path, shared_plain: list[str], mode: str, outcome: str, wrong: str
 ) -> None:
-    # Control: the same reversed load with the guard off changes A's text.
+    transform = TRANSFORMS[wrong]
+    # Control: the same wrong load with the guard off changes A's text.
     plain, _ = _shared_store_run(
-        tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, tmp_path / "plain", reverse=True
+        tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, tmp_path / "plain", reverse=True, transform=transform
     )
     assert plain[2].text != shared_plain[2]
     log = tmp_path / "guard.jsonl"
     outs, loaded = _shared_store_run(
-        tiny_model, guard_env(mode, log, **INPROC), tmp_path / "store", reverse=True
+        tiny_model, guard_env(mode, log, **INPROC), tmp_path / "store", reverse=True, transform=transform
     )
-    assert loaded == {"exact": 0, "approx": 0, "bad": 4, "no": 0}
+    # One block off: the first page keeps its own bytes (verified by its sketch), 3 hold another's.
+    bad = 3 if wrong == "one block off" else 4
+    assert loaded == {"exact": 0, "approx": 4 - bad, "bad": bad, "no": 0}
     found = events(log, "kv_block_corrupted")
-    assert len(found) == 4 and {line["trigger"] for line in found} == {"external_load"}
+    assert len(found) == bad and {line["trigger"] for line in found} == {"external_load"}
     # Each found by its sketch: far outside the tolerance.
     assert all(line["where"]["sketch_distance"] > 0.5 for line in found), [line["where"] for line in found]
     assert set(affected_once(log).values()) == {outcome}
     if outcome == "failed":
         assert outs[2].finish_reason == "error"
-    else:  # recomputed alone, as engine 1 computed A: the same bytes, the same text
+    elif bad == 4:  # recomputed alone, as engine 1 computed A: the same bytes, the same text
         assert outs[2].text == shared_plain[0]
+    else:
+        # Recomputed from its second page on, in a step no reference has (the KV here depends
+        # on the step's token count): no text to compare with; it finished, healed.
+        assert outs[2].finish_reason == "length"
     assert outs[1].text == shared_plain[1]  # B read no bad page
 
 

@@ -267,3 +267,68 @@ def test_lmcache_load_restored_reversed_is_caught_under_batch_variant_kv(
         assert outs[2].outputs[0].finish_reason == "error"
     # The requests that read no bad page: as with the guard off.
     assert [o.outputs[0].text for o in outs[:2]] == [o.outputs[0].text for o in plain[:2]]
+
+
+# ------------------------------------------------------------- two engines, one LMCache
+# Engine 1 (guard off: it publishes no digests) computes A alone; LMCache keeps that copy. Engine 2
+# loads A from it: having computed A's pages itself only inside B (a lookup that came back empty),
+# it checks the load by the sketch of its own computation (verified="approx"); having never
+# computed them, it audits the load (refused, computed again, compared).
+
+
+def _two_engines(model: str, env: dict[str, str], tmp: Path, *, b_first: bool) -> Any:
+    """Engine 1's output of A, then engine 2's (B then A, or A alone), and engine 2's loads and
+    audits by result."""
+    connector: dict[str, Any] = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}
+    args = {"enable_prefix_caching": False, "max_num_batched_tokens": 1024, "num_gpu_blocks_override": 24}
+    with contextlib.ExitStack() as stack:
+        port = stack.enter_context(_lmcache_server(tmp / f"lmcache-{time.monotonic_ns()}.log"))
+        connector["kv_connector_extra_config"] = {
+            "lmcache.mp.host": "tcp://localhost",
+            "lmcache.mp.port": port,
+            "lmcache.mp.mq_timeout": 30,
+        }
+        stack.enter_context(_batch_variant_kv())
+        with engine(model, {"VLLM_KVGUARD": "0", **INPROC}, kv_transfer_config=connector, **args) as llm:
+            llm.generate([WARM_UP], greedy(4), use_tqdm=False)
+            outs = [llm.generate([A], greedy(16), use_tqdm=False)[0]]
+        with engine(model, env, kv_transfer_config=connector, **args) as llm:
+            llm.generate([words(950, 40)], greedy(4), use_tqdm=False)
+            if b_first:
+                with _lookup_misses() as lost:
+                    outs.append(llm.generate([B], greedy(16), use_tqdm=False)[0])
+                assert lost, "B's lookup found nothing of A to lose: the case did not happen"
+            outs.append(llm.generate([A], greedy(16), use_tqdm=False)[0])
+            counts = {}
+            if env.get("VLLM_KVGUARD") == "1":
+                counts = {v: metric(llm, "vllm:kvguard_pages_loaded", verified=v) for v in VERIFIED}
+                for r in ("match", "mismatch"):
+                    counts[f"audit_{r}"] = metric(llm, "vllm:kvguard_load_audits", result=r)
+    return outs, counts
+
+
+def test_lmcache_a_load_another_engine_computed_is_verified_by_our_sketch(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    plain, _ = _two_engines(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, tmp_path, b_first=True)
+    assert plain[2].num_cached_tokens == 4 * BLOCK  # A loaded from engine 1's copy
+    log = tmp_path / "guard.jsonl"
+    outs, counts = _two_engines(tiny_model, guard_env("quarantine", log, **INPROC), tmp_path, b_first=True)
+    assert [line["event"] for line in read_log(log) if line["event"] in FINDINGS] == []
+    assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in plain]
+    assert counts["exact"] == 0 and counts["approx"] == 4 and counts["bad"] == 0
+
+
+def test_lmcache_a_load_nobody_here_computed_is_audited_without_failing_it(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    plain, _ = _two_engines(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, tmp_path, b_first=False)
+    assert plain[1].num_cached_tokens == 4 * BLOCK  # A loaded from engine 1's copy
+    log = tmp_path / "guard.jsonl"
+    outs, counts = _two_engines(tiny_model, guard_env("raise", log, **INPROC), tmp_path, b_first=False)
+    assert [line["event"] for line in read_log(log) if line["event"] in FINDINGS] == []
+    # Refused whole and computed again alone, as engine 1 computed A: the same bytes, the same
+    # text (the guard-off engine 2, which loaded it, computed its last 2 tokens in another step).
+    assert outs[1].outputs[0].finish_reason == "length"
+    assert outs[1].outputs[0].text == outs[0].outputs[0].text
+    assert counts["no"] == 4 and counts["audit_match"] == 4 and counts["audit_mismatch"] == 0
