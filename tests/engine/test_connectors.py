@@ -646,3 +646,29 @@ def test_a_consumer_with_other_weights_never_verifies_the_producers_pages(tmp_pa
     ]
     weights = started[0]["details"]["weights"], producer[0]["details"]["weights"]
     assert weights[0] != weights[1] and all(w.endswith("(files)") for w in weights), weights
+
+
+def test_raise_mode_fails_a_bad_load_and_never_an_audited_one_in_the_same_step(
+    tmp_path: Path, tiny_model: str
+) -> None:
+    """One step loads Y (computed here: checked by its digests) and X (computed by another engine
+    only: audited), both restored reversed. Raise mode's "fail" policy is set aside for that step
+    (X is audited); Y's bad load still fails its request, ended by the guard; X's audit finds the
+    wrong KV and X is recomputed: healed, with the text X gets computed alone."""
+    x, y = PROMPTS[1], PROMPTS[0]
+    store, log = tmp_path / "store", tmp_path / "guard.jsonl"
+    with _connector_engine(tiny_model, {"VLLM_KVGUARD": "0", **INPROC}, store) as llm:
+        x_alone = llm.generate([x], greedy(16), use_tqdm=False)[0].outputs[0].text
+    with _connector_engine(tiny_model, guard_env("raise", log, **INPROC), store) as llm:
+        llm.generate([y], greedy(16), use_tqdm=False)  # y computed (and sealed) here
+        with _loads_reversed(store) as loads:
+            outs = {o.prompt: o.outputs[0] for o in llm.generate([x, y], greedy(16), use_tqdm=False)}
+        assert loads
+        applied = core_scheduler(llm).recompute_kv_load_failures
+    assert applied is False  # vLLM's own policy is back after the step
+    assert outs[y].finish_reason == "error"
+    assert outs[x].finish_reason == "length" and outs[x].text == x_alone
+    assert {line["trigger"] for line in events(log, "kv_block_corrupted")} == {"external_load"}
+    assert events(log, "kv_load_audit_failed")
+    outcomes = sorted(line["outcome"] for line in events(log, "kv_request_affected"))
+    assert outcomes == ["failed", "healed"], outcomes
