@@ -219,8 +219,9 @@ def _bad_loads(lines: list[dict[str, Any]]) -> Diagnosis:
     return Diagnosis(
         "software: a KV connector loaded wrong KV",
         f"{len(lines)} page(s) loaded by another KV connector ({names}) differ from what this engine "
-        "computed for the same inputs: the connector restored the bytes wrongly (a layout or dtype "
-        "mismatch after an upgrade, a truncated transfer), not a memory fault",
+        "computed for the same inputs (checked at load, or audited by recomputation): the connector "
+        "restored the bytes wrongly (a layout or dtype mismatch after an upgrade, a truncated "
+        "transfer) or serves KV of other weights (a redeploy behind a shared cache), not a memory fault",
         [
             "compare the connector's version with vLLM's KV layout of this release (the LMCache class: KV "
             "restored permuted after vLLM changed its layout); roll back whichever changed last",
@@ -284,8 +285,11 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         "identity mismatches": sum(e["event"] == "kv_block_identity_mismatch" for e in events),
         "writes lost": sum(e["event"] == "kv_block_write_lost" for e in events),
         "lifecycle violations": sum(e["event"] == "kv_block_lifecycle_violation" for e in events),
+        "load audits failed": sum(e["event"] == "kv_load_audit_failed" for e in events),
     }
+    # Loads found wrong: at load (checked by digests or sketches), or by an audit's recomputation.
     bad_loads = [e for e in corrupted if e.get("trigger") == "external_load"]
+    bad_loads += [e for e in events if e["event"] == "kv_load_audit_failed"]
     if injected or armed:
         verdict = _drill(injected, armed)
     elif bad_loads:

@@ -171,3 +171,20 @@ def test_load_faults_read_the_same_in_the_table_the_shapes_and_the_report() -> N
     assert "bad loads (found at load)     2" in text
     assert "shapes diagnosed              undiagnosed 2" in text
     assert report_summary(lines)["by"]["shape"] == {"undiagnosed": 2}
+
+
+def test_a_failed_load_audit_is_a_finding_the_report_diagnoses_as_a_connector() -> None:
+    """kv_load_audit_failed (a load nobody here computed differed from its recomputation) counts
+    among the report's findings (so --fail-on-corruption fails on it) and reads as a connector."""
+    from vllm_kvguard.tools.report import findings
+    from vllm_kvguard.tools.report import summarize as report_summary
+
+    lines = [
+        _line("kv_load_audit_failed", 1.0, block_id=3, connector="LMCacheMPConnector", sketch_distance=0.9),
+        _line("kv_request_affected", 2.0, request_id="r", outcome="healed"),
+    ]
+    summary = report_summary(lines)
+    assert summary["other_findings"]["load audits failed"] == 1 and findings(summary) == 1
+    assert summary["diagnosis"]["verdict"] == "software: a KV connector loaded wrong KV"
+    assert "LMCacheMPConnector 1" in summary["diagnosis"]["why"]
+    assert findings(report_summary(lines[1:])) == 0
