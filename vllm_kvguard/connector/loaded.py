@@ -333,15 +333,19 @@ class LoadedPages:
         blocks, self.blocks = self.blocks, []
         return PendingCheck(blocks, flags, actual, newest.view(torch.uint64))
 
+    def verdicts(self, step: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Device path: a step's load check's verdicts (exact, approx), on the device: counted
+        with the step's output when the check is settled (KVGuardWorkerMetadata.settle)."""
+        return self._verdicts.get(step)
+
     def count_settled(self, step: int, bad: set[int], blocks: list[int]) -> None:
-        """Device path: a step's load check was read: its pages counted by how they were
-        verified; those verified by their sketch alone are never kept as a reference."""
+        """Device path: a step's load check was read (in the worker): the pages verified by their
+        sketch alone are never kept as a reference; a bad load owes the next loads an audit."""
         verdicts = self._verdicts.pop(step, None)
         if verdicts is None:
             return
         exact, approx = (v.cpu().numpy() for v in verdicts)
         good = int(np.count_nonzero(exact)) + int(np.count_nonzero(approx))
-        self._count_verdicts(int(np.count_nonzero(exact)), int(np.count_nonzero(approx)), len(blocks) - good)
         if len(blocks) > good:
             self.audit.error()
         near = {b for b, a in zip(blocks, approx.tolist(), strict=True) if a}

@@ -109,6 +109,9 @@ class DeviceCheck(_Settles):
     triggers: dict[int, str] | None = None
     where: dict[str, object] | None = None
     error: str | None = None
+    # A load check's verdicts (connector/loaded.py): which pages matched a digest set, which only
+    # their sketch, on the device; counted by label when the check is settled.
+    verdicts: Any = field(default=None, repr=False)
     _detections: list[Detection] | None = field(default=None, repr=False)
 
     def settle(self) -> list[Detection]:
@@ -310,8 +313,21 @@ class KVGuardWorkerMetadata(KVConnectorWorkerMetadata):
             self.invalid |= check.invalid()
             if check.error is not None:
                 self.internal_errors.append(check.error)
+            verdicts = getattr(check, "verdicts", None)
+            if verdicts is not None:
+                self._count_loads(verdicts, len(check.check.block_ids))
         self.pending = []
         return self
+
+    def _count_loads(self, verdicts: Any, pages: int) -> None:
+        """A device load check's pages by how they were verified (exact, approx, bad), counted
+        in this step's output, as the host path counts them when it checks."""
+        exact, approx = (int(v.sum().item()) for v in verdicts)
+        counters = GuardCounters.from_dict(self.counters)
+        for label, n in (("exact", exact), ("approx", approx), ("bad", pages - exact - approx)):
+            if n:
+                counters.add("pages_loaded", n, label=label)
+        self.counters = counters.to_dict()
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled (to the engine process) after vLLM has waited for the step's output.

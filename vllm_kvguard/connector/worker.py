@@ -348,7 +348,7 @@ class KVGuardWorker(Sealing, Drills):
             self._check_loads(sorted(loaded.left))
         elif loaded is not None and loaded.on_device and loaded.blocks:
             # Before the seal in stream order; read with the step's output (connector/loaded.py).
-            self._defer(
+            deferred = self._defer(
                 loaded.check_on_device(meta),
                 "external_load",
                 meta.step,
@@ -356,6 +356,8 @@ class KVGuardWorker(Sealing, Drills):
                 "checksum_mismatch",
                 where={"device": str(self.pages.tensors[0].device)},
             )
+            if deferred is not None:
+                deferred.verdicts = loaded.verdicts(meta.step)
         if loaded is not None and loaded.refused:  # audits: recomputed, compared when sealed again
             self._invalid |= loaded.take_audits()
         seal = meta.plan.seal
