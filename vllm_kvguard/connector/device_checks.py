@@ -108,7 +108,7 @@ class DeviceChecks(WorkerState):
                 bad = {d.block_id for d in found}
                 assert self.loaded is not None
                 self.loaded.drop(bad)
-                self.loaded.count_settled(deferred.step, bad, deferred.check.block_ids)
+                self.loaded.check_read(deferred.step, bad, deferred.check.block_ids)
                 self._diagnose_load(deferred.step, found)
             else:
                 for d in found:

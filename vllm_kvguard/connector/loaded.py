@@ -284,7 +284,7 @@ class LoadedPages:
 
     def _count(self, meta: KVGuardMetadata, exact: int | None, approx: int = 0, bad: int = 0) -> None:
         """A step's checked loads (by how they were verified: ``exact`` None on the device
-        path, counted when its check is read, :meth:`count_settled`)."""
+        path, counted when its check is settled, KVGuardWorkerMetadata.settle)."""
         n = len(self.blocks)
         if exact is not None:
             self._count_verdicts(exact, approx, bad)
@@ -338,17 +338,16 @@ class LoadedPages:
         with the step's output when the check is settled (KVGuardWorkerMetadata.settle)."""
         return self._verdicts.get(step)
 
-    def count_settled(self, step: int, bad: set[int], blocks: list[int]) -> None:
-        """Device path: a step's load check was read (in the worker): the pages verified by their
-        sketch alone are never kept as a reference; a bad load owes the next loads an audit."""
+    def check_read(self, step: int, bad: set[int], blocks: list[int]) -> None:
+        """Device path: a step's load check was read (in the worker): a bad load owes the next
+        loads an audit; the pages verified by their sketch alone are never kept as a reference."""
+        if bad:
+            self.audit.error()
         verdicts = self._verdicts.pop(step, None)
         if verdicts is None:
             return
-        exact, approx = (v.cpu().numpy() for v in verdicts)
-        good = int(np.count_nonzero(exact)) + int(np.count_nonzero(approx))
-        if len(blocks) > good:
-            self.audit.error()
-        near = {b for b, a in zip(blocks, approx.tolist(), strict=True) if a}
+        approx = verdicts[1].cpu().tolist()
+        near = {b for b, a in zip(blocks, approx, strict=True) if a}
         if near:
             self.drop(near)
 
@@ -441,12 +440,12 @@ class LoadedPages:
     def _compare_audits(self, fingerprints: np.ndarray, sketches: np.ndarray) -> None:
         """Pages sealed now whose loaded copy was refused for an audit: the same, within the
         sketch's tolerance, or the connector served wrong KV."""
-        for i, fp in enumerate(fingerprints.tolist()):
-            entry = self._audited.pop(fp, None)
-            if entry is None:
-                continue
-            loaded, block, readers = entry
-            kept = torch.from_numpy(np.ascontiguousarray(sketches[i], dtype=np.float32))
+        fps = fingerprints.tolist()
+        # (Entries of requests that ended before their recomputation stay until pushed out: only
+        # the fingerprints sealed now that are awaited are looked at, not each one in Python.)
+        for fp in self._audited.keys() & set(fps):
+            loaded, block, readers = self._audited.pop(fp)
+            kept = torch.from_numpy(np.ascontiguousarray(sketches[fps.index(fp)], dtype=np.float32))
             got = torch.from_numpy(loaded)
             if bool(matches(got, kept).all()):
                 self.counters.add("load_audits", label="match")
